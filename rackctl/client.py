@@ -1,0 +1,122 @@
+"""A small async client for rackplane's operator commands; `rackctl` and the tests use it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from shared import bus, subjects
+from shared.config import DEFAULT_NATS_URL
+from shared.messages import (
+    AutoRestart,
+    InstanceCreate,
+    InstanceDelete,
+    InstanceList,
+    InstanceShow,
+    InstanceStart,
+    InstanceStop,
+    Model,
+    ProjectCreate,
+    ProjectList,
+    Quota,
+    SiloCreate,
+    SiloList,
+    SimFaults,
+    SledList,
+    StatsGet,
+    UsageGet,
+)
+
+SOURCE = "rackctl"
+
+
+class Client:
+    def __init__(self, nc: NATS, timeout: float = 15.0) -> None:
+        self.nc = nc
+        self.timeout = timeout
+
+    @classmethod
+    async def connect(cls, url: str | None = None, timeout: float = 15.0) -> Client:
+        url = url or os.environ.get("NATS_URL", DEFAULT_NATS_URL)
+        return cls(await bus.connect(url, SOURCE, retry_for=2.0), timeout)
+
+    async def close(self) -> None:
+        await self.nc.drain()
+
+    async def call(self, subject: str, body: Model) -> Any:
+        return await bus.request(self.nc, subject, body, source=SOURCE, timeout=self.timeout)
+
+    # --- silos and projects ---
+
+    async def silo_create(self, name: str, quota: Quota | None = None) -> Any:
+        return await self.call(
+            subjects.command(None, "silo", "create"), SiloCreate(name=name, quota=quota or Quota())
+        )
+
+    async def silo_list(self) -> Any:
+        return await self.call(subjects.command(None, "silo", "list"), SiloList())
+
+    async def project_create(self, silo: str, name: str) -> Any:
+        return await self.call(
+            subjects.command(silo, "project", "create"), ProjectCreate(silo=silo, name=name)
+        )
+
+    async def project_list(self, silo: str) -> Any:
+        return await self.call(subjects.command(silo, "project", "list"), ProjectList(silo=silo))
+
+    # --- instances ---
+
+    async def instance_create(
+        self,
+        silo: str,
+        project: str,
+        name: str,
+        *,
+        vcpus: int,
+        ram_bytes: int,
+        disk_bytes: int,
+        auto_restart: AutoRestart = AutoRestart.best_effort,
+    ) -> Any:
+        body = InstanceCreate(
+            silo=silo,
+            project=project,
+            name=name,
+            vcpus=vcpus,
+            ram_bytes=ram_bytes,
+            disk_bytes=disk_bytes,
+            auto_restart=auto_restart,
+        )
+        return await self.call(subjects.command(silo, "instance", "create"), body)
+
+    async def instance(self, verb: str, silo: str, project: str, name: str) -> Any:
+        """start, stop, delete or show one instance."""
+        model = {
+            "start": InstanceStart,
+            "stop": InstanceStop,
+            "delete": InstanceDelete,
+            "show": InstanceShow,
+        }[verb]
+        return await self.call(
+            subjects.command(silo, "instance", verb), model(silo=silo, project=project, name=name)
+        )
+
+    async def instance_list(self, silo: str | None = None, project: str | None = None) -> Any:
+        return await self.call(
+            subjects.command(silo, "instance", "list"), InstanceList(silo=silo, project=project)
+        )
+
+    # --- fleet ---
+
+    async def sled_list(self) -> Any:
+        return await self.call(subjects.command(None, "sled", "list"), SledList())
+
+    async def usage(self, silo: str | None = None, project: str | None = None) -> Any:
+        return await self.call(subjects.command(silo, "usage", "get"), UsageGet(silo=silo, project=project))
+
+    async def stats(self, service: str) -> Any:
+        return await self.call(subjects.stats(service), StatsGet())
+
+    async def sim_faults(self, faults: SimFaults) -> Any:
+        return await self.call(subjects.sim_control("faults.set"), faults)

@@ -1,0 +1,137 @@
+"""Applying one provisioning delta: the generation fence, the quota check and the totals, in one
+transaction.
+
+Invariant: for every project, silo and the fleet, each total equals the sum of the charges held in
+instance_charges for the instances under it; a total never goes below zero; a silo's vCPU, RAM and disk
+totals never exceed its quotas by an increase.
+
+How it holds, whatever the order and number of deliveries:
+- a delta states an instance's whole charge at a generation; it is applied only if that generation is
+  newer than the one held, and the totals move by the difference, in the same transaction as the fence;
+- a delta at the held generation is a repeat: nothing moves, and its recorded outcome is sent again,
+  so a retried charge is never refused by a quota check that counts its own earlier charge;
+- a delta at an older generation is stale: nothing moves;
+- the instance's row is locked first, so two deliveries of deltas for one instance serialize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+
+from shared import subjects, telemetry
+from shared.db import enqueue, queries
+from shared.messages import Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
+
+SOURCE = "accounting"
+Q = queries(Path(__file__).parent / "queries.sql")
+GiB = 2**30
+
+
+class UnknownSilo(Exception):
+    """The delta names a silo whose creation has not reached accounting yet."""
+
+
+@dataclass(frozen=True)
+class Applied:
+    outcome: Outcome
+    reason: str
+    repeat: bool = False
+
+
+async def apply_delta(conn: asyncpg.Connection, silo: str, project: str, d: ProvisionDelta) -> Applied:
+    """Apply `d` inside the caller's transaction and queue its outcome (and the new usage) as events."""
+    if not await conn.fetchval(Q["silo_exists"], d.silo_id):
+        raise UnknownSilo(str(d.silo_id))
+    await conn.execute(Q["project_upsert"], d.project_id, d.silo_id, None)
+    await conn.execute(Q["charge_row_ensure"], d.instance_id, d.project_id, d.silo_id)
+    held = await conn.fetchrow(Q["charge_row_lock"], d.instance_id)
+
+    if d.generation == held["generation"]:
+        telemetry.count("deltas.duplicate")
+        result = Applied(Outcome(held["outcome"]), held["reason"], repeat=True)
+    elif d.generation < held["generation"]:
+        telemetry.count("deltas.stale")
+        result = Applied(Outcome.stale, f"generation {d.generation} is older than {held['generation']}")
+    else:
+        dv = d.vcpus - held["vcpus"]
+        dr = d.ram_bytes - held["ram_bytes"]
+        dd = d.disk_bytes - held["disk_bytes"]
+        totals = await conn.fetchrow(Q["apply_totals"], d.silo_id, dv, dr, dd, d.project_id)
+        if totals is None:
+            telemetry.count("deltas.refused")
+            reason = await refusal(conn, d.silo_id, dv, dr, dd)
+            await conn.execute(
+                Q["charge_row_set"],
+                d.instance_id,
+                d.generation,
+                held["vcpus"],
+                held["ram_bytes"],
+                held["disk_bytes"],
+                Outcome.refused.value,
+                reason,
+            )
+            result = Applied(Outcome.refused, reason)
+        else:
+            telemetry.count("deltas.applied")
+            await conn.execute(
+                Q["charge_row_set"],
+                d.instance_id,
+                d.generation,
+                d.vcpus,
+                d.ram_bytes,
+                d.disk_bytes,
+                Outcome.applied.value,
+                "",
+            )
+            if dv or dr or dd:
+                await enqueue(
+                    conn,
+                    subjects.event(silo, "usage", "changed"),
+                    UsageChanged(
+                        silo_id=d.silo_id,
+                        project_id=d.project_id,
+                        silo=_usage(totals, "silo"),
+                        project=_usage(totals, "project"),
+                    ),
+                    source=SOURCE,
+                )
+            result = Applied(Outcome.applied, "")
+
+    await enqueue(
+        conn,
+        subjects.event(silo, "provision", "outcome"),
+        ProvisionOutcome(
+            instance_id=d.instance_id, generation=d.generation, outcome=result.outcome, reason=result.reason
+        ),
+        source=SOURCE,
+        key=f"outcome:{d.instance_id}:{d.generation}",
+    )
+    return result
+
+
+def _usage(row: asyncpg.Record, prefix: str) -> Usage:
+    return Usage(
+        vcpus=row[f"{prefix}_vcpus"],
+        ram_bytes=row[f"{prefix}_ram_bytes"],
+        disk_bytes=row[f"{prefix}_disk_bytes"],
+    )
+
+
+async def refusal(conn: asyncpg.Connection, silo_id: object, dv: int, dr: int, dd: int) -> str:
+    """Name the quota that refused the charge, with what is used and what was asked."""
+    s = await conn.fetchrow(Q["silo_get"], silo_id)
+    checks = [
+        ("vCPU", dv, s["vcpus"], s["quota_vcpus"], 1, ""),
+        ("RAM", dr, s["ram_bytes"], s["quota_ram_bytes"], GiB, " GiB"),
+        ("storage", dd, s["disk_bytes"], s["quota_disk_bytes"], GiB, " GiB"),
+    ]
+    for name, asked, used, quota, unit, suffix in checks:
+        if asked > 0 and quota is not None and used + asked > quota:
+            return (
+                f"{name} quota exceeded: {used / unit:g}{suffix} of {quota / unit:g}{suffix} used, "
+                f"{asked / unit:g}{suffix} asked"
+            )
+    return "quota exceeded"

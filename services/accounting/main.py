@@ -1,0 +1,130 @@
+"""The accounting process: provisioning deltas, silo and project events, usage queries."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from nats.aio.msg import Msg
+
+from services.accounting.ledger import SOURCE, Q, UnknownSilo, apply_delta
+from shared import bus, db, subjects
+from shared.config import Settings
+from shared.messages import Envelope, ProjectCreated, ProvisionDelta, SiloCreated, UsageGet
+from shared.service import run_forever, serve_stats
+
+log = logging.getLogger(__name__)
+SCHEMA = "accounting"
+
+
+def _usage(r: asyncpg.Record) -> dict[str, int]:
+    return {"vcpus": r["vcpus"], "ram_bytes": r["ram_bytes"], "disk_bytes": r["disk_bytes"]}
+
+
+def _quota(r: asyncpg.Record) -> dict[str, int | None]:
+    return {"vcpus": r["quota_vcpus"], "ram_bytes": r["quota_ram_bytes"], "disk_bytes": r["quota_disk_bytes"]}
+
+
+async def usage(pool: asyncpg.Pool, body: UsageGet) -> dict[str, Any]:
+    """Usage of the fleet, a silo or a project, with the level below it broken down."""
+    async with pool.acquire() as conn:
+        if body.silo is None:
+            silos = await conn.fetch(Q["silo_list"])
+            return {
+                "scope": "fleet",
+                "name": subjects.FLEET,
+                "usage": _usage(await conn.fetchrow(Q["fleet_get"])),
+                "quota": None,
+                "children": [{"name": s["name"], "usage": _usage(s), "quota": _quota(s)} for s in silos],
+            }
+        silo = await conn.fetchrow(Q["silo_by_name"], body.silo)
+        if silo is None:
+            raise bus.NotFound(f"no silo {body.silo}")
+        if body.project is None:
+            projects = await conn.fetch(Q["projects_of_silo"], silo["id"])
+            return {
+                "scope": "silo",
+                "name": body.silo,
+                "usage": _usage(silo),
+                "quota": _quota(silo),
+                "children": [{"name": p["name"], "usage": _usage(p)} for p in projects],
+            }
+        p = await conn.fetchrow(Q["project_by_name"], body.silo, body.project)
+        if p is None:
+            raise bus.NotFound(f"no project {body.silo}/{body.project}")
+        return {
+            "scope": "project",
+            "name": f"{body.silo}/{body.project}",
+            "usage": _usage(p),
+            "quota": None,
+            "children": [],
+        }
+
+
+async def main(settings: Settings) -> None:
+    pool = await db.create_pool(settings.database_url, SCHEMA)
+    await db.migrate(pool, SCHEMA, Path(__file__).parent / "migrations")
+    nc = await bus.connect(settings.nats_url, SOURCE)
+    js = nc.jetstream()
+    await bus.ensure_streams(js)
+    relay = db.OutboxRelay(pool, js)
+
+    async def on_delta(env: Envelope, d: ProvisionDelta, msg: Msg) -> None:
+        _, _, _, silo, project = msg.subject.split(".")
+        try:
+            async with pool.acquire() as conn, conn.transaction():
+                await apply_delta(conn, silo, project, d)
+        except UnknownSilo:
+            raise bus.Retry(f"silo {silo} not known yet", delay=0.2) from None
+        relay.kick()
+
+    async def on_silo(env: Envelope, e: SiloCreated, msg: Msg) -> None:
+        await pool.execute(
+            Q["silo_upsert"], e.silo_id, e.name, e.quota.vcpus, e.quota.ram_bytes, e.quota.disk_bytes
+        )
+
+    async def on_project(env: Envelope, e: ProjectCreated, msg: Msg) -> None:
+        try:
+            await pool.execute(Q["project_upsert"], e.project_id, e.silo_id, e.name)
+        except asyncpg.ForeignKeyViolationError:
+            raise bus.Retry(f"silo {e.silo} not known yet") from None
+
+    async def on_usage(body: UsageGet, msg: Msg) -> dict[str, Any]:
+        return await usage(pool, body)
+
+    await bus.serve(nc, subjects.command_pattern("usage"), {UsageGet: on_usage}, queue=SOURCE)
+    await serve_stats(nc, SOURCE)
+    common: dict[str, Any] = {"service": SOURCE}
+    log.info("accounting ready")
+    await run_forever(
+        relay.run(),
+        bus.Consumer(
+            js,
+            **common,
+            stream=subjects.PROVISION_STREAM,
+            durable="accounting-deltas",
+            filter_subject="rp.acct.delta.>",
+            handler=on_delta,
+            expect=ProvisionDelta,
+        ).run(),
+        bus.Consumer(
+            js,
+            **common,
+            stream=subjects.EVENTS_STREAM,
+            durable="accounting-silos",
+            filter_subject=subjects.event("*", "silo", "created"),
+            handler=on_silo,
+            expect=SiloCreated,
+        ).run(),
+        bus.Consumer(
+            js,
+            **common,
+            stream=subjects.EVENTS_STREAM,
+            durable="accounting-projects",
+            filter_subject=subjects.event("*", "project", "created"),
+            handler=on_project,
+            expect=ProjectCreated,
+        ).run(),
+    )

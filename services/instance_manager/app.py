@@ -1,0 +1,146 @@
+"""The instance-manager's shared state and the few operations every flow uses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from services.instance_manager.saga import Executor
+from shared import bus, subjects, telemetry
+from shared.db import OutboxRelay, enqueue, queries
+from shared.messages import InstanceChanged, InstanceView, ProvisionDelta, ProvisionOutcome
+
+log = logging.getLogger(__name__)
+
+SOURCE = "instance-manager"
+Q = queries(Path(__file__).parent / "queries.sql")
+
+CHARGED_STATES = frozenset({"starting", "running", "stopping", "migrating"})
+"""An instance in one of these states has a VMM, and so holds a vCPU/RAM charge."""
+
+
+@dataclass
+class App:
+    pool: asyncpg.Pool
+    nc: NATS
+    js: JetStreamContext
+    dsn: str
+    relay: OutboxRelay = field(init=False)
+    sagas: Executor = field(init=False)
+    charge_timeout: float = 2.0
+    _waiters: dict[tuple[uuid.UUID, int], asyncio.Event] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.relay = OutboxRelay(self.pool, self.js)
+        self.sagas = Executor(self, self.dsn)
+
+    # --- events ---
+
+    async def view(self, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
+        r = await conn.fetchrow(Q["instance_view"], instance_id)
+        if r is None:
+            raise bus.NotFound(f"no instance {instance_id}")
+        return InstanceView.model_validate(dict(r))
+
+    async def instance_changed(self, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
+        """Publish the instance as it now is, once the caller's transaction commits."""
+        v = await self.view(conn, instance_id)
+        await enqueue(
+            conn,
+            subjects.event(v.silo, "instance", "changed"),
+            InstanceChanged(instance=v),
+            source=SOURCE,
+            key=f"instance:{v.id}:{v.generation}",
+        )
+        self.relay.kick()
+        return v
+
+    async def release_charge(self, conn: asyncpg.Connection, instance_id: uuid.UUID, generation: int) -> None:
+        """Queue the instance's charge as of `generation`: disk only (or nothing, once destroyed)."""
+        v = await self.view(conn, instance_id)
+        disk = 0 if v.state == "destroyed" else v.disk_bytes
+        await self.send_delta(conn, v, generation, vcpus=0, ram_bytes=0, disk_bytes=disk)
+
+    async def send_delta(
+        self,
+        conn: asyncpg.Connection,
+        v: InstanceView,
+        generation: int,
+        *,
+        vcpus: int,
+        ram_bytes: int,
+        disk_bytes: int,
+    ) -> None:
+        delta = ProvisionDelta(
+            instance_id=v.id,
+            project_id=v.project_id,
+            silo_id=v.silo_id,
+            generation=generation,
+            vcpus=vcpus,
+            ram_bytes=ram_bytes,
+            disk_bytes=disk_bytes,
+        )
+        await enqueue(
+            conn,
+            subjects.provision_delta(v.silo, v.project),
+            delta,
+            source=SOURCE,
+            key=f"delta:{v.id}:{generation}",
+        )
+        self.relay.kick()
+
+    # --- charging, as a saga step ---
+
+    async def charge(self, silo: str, project: str, delta: ProvisionDelta) -> tuple[str, str]:
+        """Send a charge to accounting and wait for its outcome. Idempotent: safe to call again.
+
+        The delta's message id is derived from (instance, generation), so a resend inside the broker's
+        window is dropped and one outside it is recognised by accounting's generation fence; the outcome
+        comes back on the durable event stream and is recorded in charge_outcomes.
+        """
+        key = (delta.instance_id, delta.generation)
+        event = self._waiters.setdefault(key, asyncio.Event())
+        try:
+            while True:
+                row = await self.pool.fetchrow(Q["outcome_get"], *key)
+                if row is not None:
+                    return row["outcome"], row["reason"]
+                try:
+                    await bus.publish(
+                        self.js,
+                        subjects.provision_delta(silo, project),
+                        delta,
+                        source=SOURCE,
+                        key=f"delta:{delta.instance_id}:{delta.generation}",
+                    )
+                except Exception as e:
+                    log.info("charge for %s not sent yet: %s", delta.instance_id, e)
+                try:
+                    await asyncio.wait_for(event.wait(), self.charge_timeout)
+                except TimeoutError:
+                    telemetry.count("charge.waits_timed_out")
+        finally:
+            self._waiters.pop(key, None)
+
+    async def record_outcome(self, outcome: ProvisionOutcome) -> None:
+        await self.pool.execute(
+            Q["outcome_insert"],
+            outcome.instance_id,
+            outcome.generation,
+            outcome.outcome.value,
+            outcome.reason,
+        )
+        if (ev := self._waiters.get((outcome.instance_id, outcome.generation))) is not None:
+            ev.set()
+
+
+def instance_reply(v: InstanceView) -> dict[str, Any]:
+    return v.model_dump(mode="json")

@@ -1,0 +1,190 @@
+"""Operator commands served by the instance-manager (request/reply on rp.cmd.<silo>.<resource>.<verb>)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import asyncpg
+from nats.aio.msg import Msg
+
+from services.instance_manager import lifecycle
+from services.instance_manager.app import SOURCE, App, Q, instance_reply
+from services.instance_manager.create_saga import CREATE
+from services.instance_manager.start_saga import START, AlreadyRunning
+from shared import bus, subjects
+from shared.db import enqueue
+from shared.messages import (
+    InstanceCreate,
+    InstanceDelete,
+    InstanceList,
+    InstanceRef,
+    InstanceShow,
+    InstanceStart,
+    InstanceStop,
+    ProjectCreate,
+    ProjectCreated,
+    ProjectList,
+    SiloCreate,
+    SiloCreated,
+    SiloList,
+    SledList,
+)
+
+SAGA_REPLY_WAIT = 10.0
+"""How long a create or start waits for its saga before answering "in progress"."""
+
+
+class Commands:
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    async def serve(self) -> None:
+        nc = self.app.nc
+        q = SOURCE
+        await bus.serve(
+            nc,
+            subjects.command_pattern("silo"),
+            {SiloCreate: self.silo_create, SiloList: self.silo_list},
+            queue=q,
+        )
+        await bus.serve(
+            nc,
+            subjects.command_pattern("project"),
+            {ProjectCreate: self.project_create, ProjectList: self.project_list},
+            queue=q,
+        )
+        await bus.serve(
+            nc,
+            subjects.command_pattern("instance"),
+            {
+                InstanceCreate: self.instance_create,
+                InstanceStart: self.instance_start,
+                InstanceStop: self.instance_stop,
+                InstanceDelete: self.instance_delete,
+                InstanceShow: self.instance_show,
+                InstanceList: self.instance_list,
+            },
+            queue=q,
+        )
+        await bus.serve(nc, subjects.command_pattern("sled"), {SledList: self.sled_list}, queue=q)
+
+    # --- silos and projects ---
+
+    async def silo_create(self, body: SiloCreate, msg: Msg) -> dict[str, Any]:
+        silo_id = uuid.uuid4()
+        quota = body.quota.model_dump()
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            created = await conn.fetchval(Q["silo_insert"], silo_id, body.name, quota)
+            if created is None:
+                raise bus.Conflict(f"silo {body.name} already exists")
+            await enqueue(
+                conn,
+                subjects.event(body.name, "silo", "created"),
+                SiloCreated(silo_id=silo_id, name=body.name, quota=body.quota),
+                source=SOURCE,
+                key=f"silo:{silo_id}",
+            )
+        self.app.relay.kick()
+        return {"id": str(silo_id), "name": body.name, "quota": quota}
+
+    async def silo_list(self, body: SiloList, msg: Msg) -> list[dict[str, Any]]:
+        rows = await self.app.pool.fetch(Q["silo_list"])
+        return [{"id": str(r["id"]), "name": r["name"], "quota": r["quota"]} for r in rows]
+
+    async def project_create(self, body: ProjectCreate, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            silo = await conn.fetchrow(Q["silo_by_name"], body.silo)
+            if silo is None:
+                raise bus.NotFound(f"no silo {body.silo}")
+            project_id = uuid.uuid4()
+            if await conn.fetchval(Q["project_insert"], project_id, silo["id"], body.name) is None:
+                raise bus.Conflict(f"project {body.silo}/{body.name} already exists")
+            await enqueue(
+                conn,
+                subjects.event(body.silo, "project", "created"),
+                ProjectCreated(project_id=project_id, silo_id=silo["id"], silo=body.silo, name=body.name),
+                source=SOURCE,
+                key=f"project:{project_id}",
+            )
+        self.app.relay.kick()
+        return {"id": str(project_id), "silo": body.silo, "name": body.name}
+
+    async def project_list(self, body: ProjectList, msg: Msg) -> list[dict[str, Any]]:
+        rows = await self.app.pool.fetch(Q["project_list"], body.silo)
+        return [{"id": str(r["id"]), "silo": r["silo"], "name": r["name"]} for r in rows]
+
+    # --- instances ---
+
+    async def _instance_id(self, conn: asyncpg.Connection, ref: InstanceRef) -> uuid.UUID:
+        r = await conn.fetchrow(Q["instance_by_name"], ref.silo, ref.project, ref.name)
+        if r is None:
+            raise bus.NotFound(f"no instance {ref.silo}/{ref.project}/{ref.name}")
+        return r["id"]
+
+    async def _await_saga(self, saga_id: uuid.UUID, instance_id: uuid.UUID, verb: str) -> dict[str, Any]:
+        """Answer once the saga ends (or after SAGA_REPLY_WAIT, with the instance as it is by then)."""
+        task = self.app.sagas.launch(saga_id)
+        try:
+            status = await asyncio.wait_for(asyncio.shield(task), SAGA_REPLY_WAIT)
+        except TimeoutError:
+            status = "running"
+        if status == "failed":
+            error = await self.app.sagas.error(saga_id)
+            raise bus.CommandError("refused", f"{verb} failed: {error}")
+        async with self.app.pool.acquire() as conn:
+            return instance_reply(await self.app.view(conn, instance_id))
+
+    async def instance_create(self, body: InstanceCreate, msg: Msg) -> dict[str, Any]:
+        instance_id = uuid.uuid4()
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            project = await conn.fetchrow(Q["project_by_name"], body.silo, body.project)
+            if project is None:
+                raise bus.NotFound(f"no project {body.silo}/{body.project}")
+            params = {
+                **body.model_dump(mode="json"),
+                "instance_id": str(instance_id),
+                "project_id": str(project["id"]),
+            }
+            saga_id = await self.app.sagas.begin(conn, CREATE, params)
+        self.app.relay.kick()
+        return await self._await_saga(saga_id, instance_id, "create")
+
+    async def instance_start(self, body: InstanceStart, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn:
+            try:
+                async with conn.transaction():
+                    instance_id = await self._instance_id(conn, body)
+                    saga_id = await self.app.sagas.begin(conn, START, {"instance_id": str(instance_id)})
+            except AlreadyRunning:
+                return instance_reply(await self.app.view(conn, instance_id))
+        self.app.relay.kick()
+        return await self._await_saga(saga_id, instance_id, "start")
+
+    async def instance_stop(self, body: InstanceStop, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            v = await lifecycle.stop(self.app, conn, await self._instance_id(conn, body))
+        self.app.relay.kick()
+        return instance_reply(v)
+
+    async def instance_delete(self, body: InstanceDelete, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            v = await lifecycle.delete(self.app, conn, await self._instance_id(conn, body))
+        self.app.relay.kick()
+        return instance_reply(v)
+
+    async def instance_show(self, body: InstanceShow, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn:
+            return instance_reply(await self.app.view(conn, await self._instance_id(conn, body)))
+
+    async def instance_list(self, body: InstanceList, msg: Msg) -> list[dict[str, Any]]:
+        async with self.app.pool.acquire() as conn:
+            ids = await conn.fetch(Q["instance_list"], body.silo, body.project)
+            return [instance_reply(await self.app.view(conn, r["id"])) for r in ids]
+
+    # --- sleds ---
+
+    async def sled_list(self, body: SledList, msg: Msg) -> list[dict[str, Any]]:
+        rows = await self.app.pool.fetch(Q["sled_list"])
+        return [{**dict(r), "boot_id": str(r["boot_id"]) if r["boot_id"] else None} for r in rows]

@@ -1,0 +1,85 @@
+"""The instance-manager process: commands, sled reports, charge outcomes, sagas and the outbox relay."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from services.instance_manager import lifecycle
+from services.instance_manager.app import SOURCE, App, Q
+from services.instance_manager.commands import Commands
+from services.instance_manager.create_saga import CREATE
+from services.instance_manager.start_saga import START
+from shared import bus, db, subjects
+from shared.config import Settings
+from shared.messages import Envelope, ProvisionOutcome, SledInventory, VmmReport
+from shared.service import run_forever, serve_stats
+
+log = logging.getLogger(__name__)
+SCHEMA = "instance_manager"
+
+
+async def build(settings: Settings) -> App:
+    pool = await db.create_pool(settings.database_url, SCHEMA)
+    await db.migrate(pool, SCHEMA, Path(__file__).parent / "migrations")
+    nc = await bus.connect(settings.nats_url, SOURCE)
+    js = nc.jetstream()
+    await bus.ensure_streams(js)
+    app = App(pool, nc, js, settings.database_url)
+    app.sagas.register(CREATE)
+    app.sagas.register(START)
+    return app
+
+
+def consumers(app: App) -> list[bus.Consumer]:
+    async def on_report(env: Envelope, report: VmmReport, msg: Msg) -> None:
+        await lifecycle.apply_vmm_report(app, report)
+        app.relay.kick()
+
+    async def on_inventory(env: Envelope, inv: SledInventory, msg: Msg) -> None:
+        await app.pool.execute(Q["sled_upsert"], inv.sled_id, inv.boot_id, inv.vcpus, inv.ram_bytes)
+
+    async def on_outcome(env: Envelope, outcome: ProvisionOutcome, msg: Msg) -> None:
+        await app.record_outcome(outcome)
+
+    common: dict[str, Any] = {"service": SOURCE}
+    return [
+        bus.Consumer(
+            app.js,
+            **common,
+            stream=subjects.SLED_REPORT_STREAM,
+            durable="instance-manager-vmm-reports",
+            filter_subject=subjects.sled_report("*", "vmm"),
+            handler=on_report,
+            expect=VmmReport,
+        ),
+        bus.Consumer(
+            app.js,
+            **common,
+            stream=subjects.SLED_REPORT_STREAM,
+            durable="instance-manager-inventory",
+            filter_subject=subjects.sled_report("*", "inventory"),
+            handler=on_inventory,
+            expect=SledInventory,
+        ),
+        bus.Consumer(
+            app.js,
+            **common,
+            stream=subjects.EVENTS_STREAM,
+            durable="instance-manager-outcomes",
+            filter_subject=subjects.event("*", "provision", "outcome"),
+            handler=on_outcome,
+            expect=ProvisionOutcome,
+        ),
+    ]
+
+
+async def main(settings: Settings) -> None:
+    app = await build(settings)
+    await Commands(app).serve()
+    await serve_stats(app.nc, SOURCE)
+    log.info("instance-manager ready")
+    await run_forever(app.relay.run(), app.sagas.resume_forever(), *(c.run() for c in consumers(app)))

@@ -1,0 +1,175 @@
+-- name: silo_insert
+INSERT INTO silos (id, name, quota) VALUES ($1, $2, $3) ON CONFLICT (name) DO NOTHING RETURNING id;
+
+-- name: silo_by_name
+SELECT id, name, quota, created_at FROM silos WHERE name = $1;
+
+-- name: silo_list
+SELECT id, name, quota, created_at FROM silos ORDER BY name;
+
+-- name: project_insert
+INSERT INTO projects (id, silo_id, name) VALUES ($1, $2, $3) ON CONFLICT (silo_id, name) DO NOTHING RETURNING id;
+
+-- name: project_by_name
+SELECT p.id, p.name, p.silo_id, s.name AS silo
+FROM projects p JOIN silos s ON s.id = p.silo_id
+WHERE s.name = $1 AND p.name = $2;
+
+-- name: project_list
+SELECT p.id, p.name, s.name AS silo, p.created_at
+FROM projects p JOIN silos s ON s.id = p.silo_id WHERE s.name = $1 ORDER BY p.name;
+
+-- name: instance_insert
+INSERT INTO instances (id, project_id, name, vcpus, ram_bytes, disk_bytes, auto_restart, state)
+VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating');
+
+-- name: instance_view
+-- Everything a reply or an event says about an instance.
+SELECT i.id, s.name AS silo, p.name AS project, i.name, s.id AS silo_id, p.id AS project_id,
+       i.vcpus, i.ram_bytes, i.disk_bytes, i.auto_restart, i.state, i.generation,
+       i.active_vmm_id, v.sled_id, i.last_error, i.updated_at
+FROM instances i
+JOIN projects p ON p.id = i.project_id
+JOIN silos s ON s.id = p.silo_id
+LEFT JOIN vmms v ON v.id = i.active_vmm_id
+WHERE i.id = $1;
+
+-- name: instance_by_name
+SELECT i.id, i.state, i.generation, i.active_vmm_id
+FROM instances i
+JOIN projects p ON p.id = i.project_id
+JOIN silos s ON s.id = p.silo_id
+WHERE s.name = $1 AND p.name = $2 AND i.name = $3 AND i.state <> 'destroyed';
+
+-- name: instance_list
+SELECT i.id FROM instances i
+JOIN projects p ON p.id = i.project_id
+JOIN silos s ON s.id = p.silo_id
+WHERE i.state <> 'destroyed' AND ($1::text IS NULL OR s.name = $1) AND ($2::text IS NULL OR p.name = $2)
+ORDER BY s.name, p.name, i.name;
+
+-- name: instance_lock
+SELECT id, project_id, state, generation, active_vmm_id, vcpus, ram_bytes, disk_bytes
+FROM instances WHERE id = $1 FOR UPDATE;
+
+-- name: instance_set_state
+-- Every change bumps the generation; returns the new one.
+UPDATE instances
+SET state = $2, generation = generation + 1, last_error = coalesce($3, last_error), updated_at = now()
+WHERE id = $1
+RETURNING generation;
+
+-- name: start_interlock
+-- The "one start at a time" interlock: a compare-and-set that only one of any number of concurrent
+-- starts can win, because only one finds the instance stopped with no active VMM.
+UPDATE instances
+SET state = 'starting', active_vmm_id = $2, intended_state = 'running', last_error = NULL,
+    generation = generation + 1, updated_at = now()
+WHERE id = $1 AND state IN ('stopped', 'failed') AND active_vmm_id IS NULL
+RETURNING generation, project_id, vcpus, ram_bytes, disk_bytes;
+
+-- name: start_interlock_release
+-- Undo of the interlock: only if the instance is still ours (our VMM is still the active one).
+UPDATE instances
+SET state = 'stopped', active_vmm_id = NULL, last_error = $3, generation = generation + 1, updated_at = now()
+WHERE id = $1 AND active_vmm_id = $2
+RETURNING generation;
+
+-- name: instance_bump_if_active
+-- A new generation for a change about VMM $2, only while it is the instance's active VMM.
+UPDATE instances SET generation = generation + 1, updated_at = now()
+WHERE id = $1 AND active_vmm_id = $2
+RETURNING generation, vcpus, ram_bytes, disk_bytes;
+
+-- name: place
+-- Placement: pick one active sled with room and reserve on it, in one statement, without locking the
+-- table: SKIP LOCKED passes over sleds another placement is reserving right now. Least loaded first.
+WITH candidate AS (
+    SELECT id FROM sleds
+    WHERE state = 'active'
+      AND vcpus - reserved_vcpus >= $1
+      AND ram_bytes - reserved_ram_bytes >= $2
+    ORDER BY reserved_vcpus::float8 / vcpus, random()
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE sleds s
+SET reserved_vcpus = s.reserved_vcpus + $1, reserved_ram_bytes = s.reserved_ram_bytes + $2
+FROM candidate
+WHERE s.id = candidate.id
+RETURNING s.id;
+
+-- name: unreserve
+UPDATE sleds SET reserved_vcpus = reserved_vcpus - $2, reserved_ram_bytes = reserved_ram_bytes - $3
+WHERE id = $1;
+
+-- name: vmm_insert
+INSERT INTO vmms (id, instance_id, sled_id, vcpus, ram_bytes, state) VALUES ($1, $2, $3, $4, $5, 'starting')
+ON CONFLICT (id) DO NOTHING;
+
+-- name: vmm_end
+-- End a VMM record (idempotent); returns it only if this call ended it, so its reservation is released
+-- exactly once.
+UPDATE vmms SET state = $2, ended_at = now()
+WHERE id = $1 AND ended_at IS NULL
+RETURNING id, instance_id, sled_id, vcpus, ram_bytes;
+
+-- name: vmm_apply_report
+-- The generation fence: only a strictly newer report about a live VMM is written.
+UPDATE vmms SET state = $2, generation = $3,
+                ended_at = CASE WHEN $4::bool THEN now() ELSE NULL END
+WHERE id = $1 AND generation < $3 AND ended_at IS NULL
+RETURNING id, instance_id, sled_id, vcpus, ram_bytes;
+
+-- name: sled_upsert
+-- A sled makes itself known through its inventory.
+INSERT INTO sleds (id, boot_id, vcpus, ram_bytes, last_seen_at) VALUES ($1, $2, $3, $4, now())
+ON CONFLICT (id) DO UPDATE
+SET boot_id = EXCLUDED.boot_id, vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, last_seen_at = now()
+RETURNING (xmax = 0) AS inserted;
+
+-- name: sled_list
+SELECT s.id, s.state, s.boot_id, s.vcpus, s.ram_bytes, s.reserved_vcpus, s.reserved_ram_bytes,
+       s.last_seen_at, (SELECT count(*) FROM vmms v WHERE v.sled_id = s.id AND v.ended_at IS NULL) AS vmms
+FROM sleds s ORDER BY s.id;
+
+-- name: outcome_insert
+INSERT INTO charge_outcomes (instance_id, generation, outcome, reason) VALUES ($1, $2, $3, $4)
+ON CONFLICT DO NOTHING;
+
+-- name: outcome_get
+SELECT outcome, reason FROM charge_outcomes WHERE instance_id = $1 AND generation = $2;
+
+-- name: instance_vmm_ended
+-- The instance's active VMM ended: the instance lets go of it, and is stopped (or failed).
+UPDATE instances
+SET state = $2, active_vmm_id = NULL, generation = generation + 1,
+    last_error = coalesce($3, last_error), updated_at = now()
+WHERE id = $1
+RETURNING generation;
+
+-- name: instance_set_intent
+UPDATE instances SET intended_state = $2 WHERE id = $1;
+
+-- name: instance_create_undo
+UPDATE instances SET state = 'destroyed', generation = generation + 1, last_error = $2, updated_at = now()
+WHERE id = $1 AND state = 'creating';
+
+-- name: instance_create_ready
+UPDATE instances SET state = 'stopped', generation = generation + 1, updated_at = now()
+WHERE id = $1 AND state = 'creating';
+
+-- name: instance_bump
+UPDATE instances SET generation = generation + 1, updated_at = now() WHERE id = $1 RETURNING generation;
+
+-- name: any_sled_with_room
+SELECT EXISTS (
+    SELECT 1 FROM sleds
+    WHERE state = 'active' AND vcpus - reserved_vcpus >= $1 AND ram_bytes - reserved_ram_bytes >= $2
+);
+
+-- name: vmm_exists
+SELECT EXISTS (SELECT 1 FROM vmms WHERE id = $1);
+
+-- name: vmm_sled
+SELECT sled_id FROM vmms WHERE id = $1;

@@ -1,0 +1,275 @@
+"""Durable sagas: a saga is a list of named steps, each with its undo; a reader sees the whole flow in
+the saga's definition before reading any step.
+
+Guarantees:
+- Progress is logged: a step's completion (and its outputs) is committed before the next step begins.
+  A *local* step runs inside the very transaction that records its completion, so it happens exactly
+  once. A remote step (one that talks to another service) may run again after a crash, so it must be
+  idempotent; that is how its messages need no outbox: the saga log is one.
+- The first step runs inside the caller's transaction (`begin`): that is where an interlock goes, so a
+  refused request creates no saga at all.
+- A step that raises `StepFailed` makes the saga unwind: every completed step's undo runs, newest first.
+  Undos are idempotent and retried until they succeed. Any other exception is transient: the step is
+  retried with backoff.
+- After a crash, `resume` picks up every unfinished saga. A saga runs in one process at a time: its
+  runner holds a session advisory lock on a dedicated connection, released at once if the process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from shared import telemetry
+from shared.db import queries
+
+log = logging.getLogger(__name__)
+SQL = queries(Path(__file__).with_name("saga.sql"))
+
+
+class StepFailed(Exception):
+    """The step cannot succeed: the saga unwinds, and `reason` becomes its error."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Context:
+    saga_id: uuid.UUID
+    params: dict[str, Any]
+    data: dict[str, Any]
+    app: Any
+    conn: asyncpg.Connection | None = None
+    """The step's transaction, for local steps; None for remote ones."""
+    error: str | None = None
+    """While unwinding: why the saga failed."""
+
+    @property
+    def tx(self) -> asyncpg.Connection:
+        assert self.conn is not None, "only a local step has a transaction"
+        return self.conn
+
+
+Action = Callable[[Context], Awaitable[dict[str, Any] | None]]
+Undo = Callable[[Context], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    action: Action
+    undo: Undo | None = None
+    local: bool = True
+    """Run the action inside the transaction that records it (exactly once); False for remote actions."""
+    undo_local: bool = True
+    """Likewise for the undo."""
+
+
+@dataclass(frozen=True)
+class Saga:
+    kind: str
+    steps: list[Step]
+
+
+@dataclass
+class Executor:
+    """Runs sagas of the kinds it knows; one per process."""
+
+    app: Any
+    dsn: str
+    kinds: dict[str, Saga] = field(default_factory=dict)
+    retry_delay: float = 0.2
+    _running: dict[uuid.UUID, asyncio.Task[str]] = field(default_factory=dict)
+    _lock_conn: asyncpg.Connection | None = None
+    _lock_guard: asyncio.Lock = field(default_factory=asyncio.Lock)
+    before_step: Callable[[str, str], Awaitable[None]] | None = None
+    """A hook run before each step (kind, step name): fault injection and tests use it."""
+
+    def register(self, saga: Saga) -> None:
+        self.kinds[saga.kind] = saga
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        return self.app.pool
+
+    async def begin(self, conn: asyncpg.Connection, saga: Saga, params: dict[str, Any]) -> uuid.UUID:
+        """Run the first step in the caller's transaction and record the saga; `launch` it after commit."""
+        saga_id = uuid.uuid4()
+        ctx = Context(saga_id, params, {}, self.app, conn)
+        first = saga.steps[0]
+        out = await first.action(ctx) or {}
+        await conn.execute(
+            SQL["insert"],
+            saga_id,
+            saga.kind,
+            params,
+            out,
+            telemetry.current_traceparent(),
+        )
+        await conn.execute(SQL["log"], saga_id, first.name, "done", None)
+        return saga_id
+
+    def launch(self, saga_id: uuid.UUID) -> asyncio.Task[str]:
+        """Run (or resume) a saga in the background; the task's result is its final status."""
+        task = self._running.get(saga_id)
+        if task is None:
+            task = asyncio.create_task(self._run(saga_id))
+            self._running[saga_id] = task
+            task.add_done_callback(lambda _: self._running.pop(saga_id, None))
+        return task
+
+    async def resume(self) -> int:
+        """Launch every unfinished saga that no live process is running. Returns how many were found."""
+        rows = await self.pool.fetch(SQL["unfinished"])
+        for r in rows:
+            if r["id"] not in self._running:
+                self.launch(r["id"])
+        return len(rows)
+
+    async def resume_forever(self, interval: float = 2.0) -> None:
+        while True:
+            try:
+                await self.resume()
+            except Exception as e:
+                log.warning("saga resume pass failed: %s", e)
+            await asyncio.sleep(interval)
+
+    async def error(self, saga_id: uuid.UUID) -> str | None:
+        return await self.pool.fetchval(SQL["error"], saga_id)
+
+    async def wait_idle(self) -> None:
+        while self._running:
+            await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+    # --- running one saga ---
+
+    async def _lock(self, saga_id: uuid.UUID, take: bool) -> bool:
+        key = int.from_bytes(saga_id.bytes[:8], "big", signed=True)
+        async with self._lock_guard:
+            if self._lock_conn is None or self._lock_conn.is_closed():
+                self._lock_conn = await asyncpg.connect(self.dsn)
+            if take:
+                return bool(await self._lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", key))
+            await self._lock_conn.execute("SELECT pg_advisory_unlock($1)", key)
+            return True
+
+    async def _run(self, saga_id: uuid.UUID) -> str:
+        while True:
+            try:
+                if await self._lock(saga_id, take=True):
+                    break
+                return "busy"  # another process runs it
+            except (OSError, asyncpg.PostgresError) as e:
+                log.info("saga %s: cannot take its lock yet (%s)", saga_id, e)
+                await asyncio.sleep(self.retry_delay)
+        try:
+            return await self._drive(saga_id)
+        finally:
+            try:
+                await self._lock(saga_id, take=False)
+            except Exception:
+                pass  # the lock went with its connection
+
+    async def _drive(self, saga_id: uuid.UUID) -> str:
+        attempt = 0
+        while True:
+            row = await self._load(saga_id)
+            if row is None or row["status"] in ("done", "failed"):
+                return row["status"] if row else "missing"
+            saga = self.kinds[row["kind"]]
+            forward = row["status"] == "running"
+            step = saga.steps[row["cursor"]]
+            try:
+                if self.before_step is not None:
+                    await self.before_step(saga.kind, step.name if forward else f"undo:{step.name}")
+                with telemetry.span(
+                    f"saga {saga.kind} {'' if forward else 'undo '}{step.name}",
+                    row["trace"],
+                    **{"saga.id": str(saga_id)},
+                ):
+                    if forward:
+                        await self._forward(saga, row, step)
+                    else:
+                        await self._backward(saga, row, step)
+                attempt = 0
+            except StepFailed as e:
+                await self._start_unwinding(row, step, e.reason)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                attempt += 1
+                log.warning(
+                    "saga %s %s/%s: attempt %d failed: %s", row["kind"], saga_id, step.name, attempt, e
+                )
+                telemetry.count("saga.step_retries")
+                await asyncio.sleep(min(self.retry_delay * 2 ** min(attempt, 5), 5.0))
+
+    async def _load(self, saga_id: uuid.UUID) -> asyncpg.Record | None:
+        return await self.pool.fetchrow(SQL["load"], saga_id)
+
+    async def _forward(self, saga: Saga, row: asyncpg.Record, step: Step) -> None:
+        data = dict(row["data"])
+        done = row["cursor"] + 1 >= len(saga.steps)
+        if step.local:
+            async with self.pool.acquire() as conn, conn.transaction():
+                out = await step.action(Context(row["id"], row["params"], data, self.app, conn)) or {}
+                await self._advance(conn, row, step, {**data, **out}, "done" if done else "running", +1)
+        else:
+            out = await step.action(Context(row["id"], row["params"], data, self.app, None)) or {}
+            async with self.pool.acquire() as conn, conn.transaction():
+                await self._advance(conn, row, step, {**data, **out}, "done" if done else "running", +1)
+
+    async def _backward(self, saga: Saga, row: asyncpg.Record, step: Step) -> None:
+        data = dict(row["data"])
+        status = "failed" if row["cursor"] == 0 else "unwinding"
+        ctx = Context(row["id"], row["params"], data, self.app, None, row["error"])
+        if step.undo is not None and not step.undo_local:
+            await step.undo(ctx)
+        async with self.pool.acquire() as conn, conn.transaction():
+            if step.undo is not None and step.undo_local:
+                ctx.conn = conn
+                await step.undo(ctx)
+            await self._advance(conn, row, step, data, status, -1, event="undone")
+
+    async def _advance(
+        self,
+        conn: asyncpg.Connection,
+        row: asyncpg.Record,
+        step: Step,
+        data: dict[str, Any],
+        status: str,
+        move: int,
+        event: str = "done",
+    ) -> None:
+        updated = await conn.execute(
+            SQL["advance"],
+            row["id"],
+            data,
+            status,
+            move,
+            row["cursor"],
+            row["status"],
+        )
+        if updated != "UPDATE 1":
+            raise RuntimeError(f"saga {row['id']} moved under us")
+        await conn.execute(SQL["log"], row["id"], step.name, event, None)
+
+    async def _start_unwinding(self, row: asyncpg.Record, step: Step, reason: str) -> None:
+        log.info("saga %s %s: step %s failed: %s; unwinding", row["kind"], row["id"], step.name, reason)
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                SQL["unwind"],
+                row["id"],
+                reason,
+                row["cursor"],
+            )
+            await conn.execute(SQL["log"], row["id"], step.name, "failed", reason)

@@ -1,0 +1,1 @@
+"""recovery: reconciles what should run on each sled with what does."""

@@ -1,0 +1,4 @@
+from services.recovery.main import main
+from shared import service
+
+service.run("recovery", main)

@@ -1,0 +1,1 @@
+"""The library every rackplane service shares: messages, bus, database, telemetry and config."""

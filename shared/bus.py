@@ -1,0 +1,328 @@
+"""NATS and JetStream, the way every service uses them.
+
+- `connect`: a connection that reconnects forever (the default gives up after about two minutes).
+- `ensure_streams`: the streams of `shared.subjects.STREAMS`, created or brought up to date.
+- `publish`: one envelope to JetStream with `Nats-Msg-Id` (the broker drops repeats inside the window)
+  and the trace context in headers.
+- `Consumer`: a durable pull consumer that acks only after its handler returned (so after the handler's
+  transaction committed), naks on transient failure, and dead-letters what it can never handle, with the
+  reason, so that nothing is lost and the loop goes on.
+- `serve` / `request`: operator commands as request/reply, with errors as clear replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from shared import subjects, telemetry
+from shared.messages import BadMessage, Envelope, Model, Reply, decode, encode, envelope
+
+log = logging.getLogger(__name__)
+
+DUPLICATE_WINDOW_S = 120.0
+MSG_ID = "Nats-Msg-Id"
+
+
+class CommandError(Exception):
+    """A command that was understood and refused: the reply says why, in one line."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class NotFound(CommandError):
+    def __init__(self, message: str) -> None:
+        super().__init__("not_found", message)
+
+
+class Conflict(CommandError):
+    def __init__(self, message: str) -> None:
+        super().__init__("conflict", message)
+
+
+class Retry(Exception):
+    """Raised by a stream handler when the message cannot be applied yet (it is redelivered later)."""
+
+    def __init__(self, reason: str, delay: float = 0.5) -> None:
+        super().__init__(reason)
+        self.delay = delay
+
+
+async def connect(url: str, name: str, *, retry_for: float = 30.0) -> NATS:
+    """Connect, waiting up to `retry_for` seconds for the broker to come up; reconnect forever after."""
+
+    async def on_error(e: Exception) -> None:
+        log.warning("%s: nats error: %s", name, e)
+
+    async def on_disconnect() -> None:
+        log.warning("%s: disconnected from nats", name)
+
+    async def on_reconnect() -> None:
+        log.info("%s: reconnected to nats", name)
+
+    deadline = asyncio.get_running_loop().time() + retry_for
+    while True:
+        try:
+            return await nats.connect(
+                url,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                connect_timeout=2,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+            )
+        except (OSError, nats.errors.Error) as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ConnectionError(f"cannot reach nats at {url}: {e}") from e
+            await asyncio.sleep(0.25)
+
+
+async def ensure_streams(js: JetStreamContext) -> None:
+    for name, subs in subjects.STREAMS.items():
+        config = api.StreamConfig(
+            name=name,
+            subjects=subs,
+            storage=api.StorageType.FILE,
+            retention=api.RetentionPolicy.LIMITS,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            max_age=7 * 24 * 3600.0,
+        )
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(config)
+
+
+def msg_id_for(key: str) -> uuid.UUID:
+    """A message id derived from what the message means, so that a resend is recognisably the same."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"rackplane:{key}")
+
+
+def headers_for(env: Envelope) -> dict[str, str]:
+    return telemetry.inject({MSG_ID: str(env.id)})
+
+
+async def publish(
+    js: JetStreamContext, subject: str, body: Model, *, source: str, key: str | None = None
+) -> api.PubAck:
+    env = envelope(body, source, msg_id_for(key) if key else None)
+    with telemetry.span(f"send {subject}", **{"messaging.destination.name": subject}):
+        return await js.publish(subject, encode(env), headers=headers_for(env))
+
+
+# --- stream consumers ----------------------------------------------------------------------------------
+
+Handler = Callable[[Envelope, Any, Msg], Awaitable[None]]
+
+
+class Consumer:
+    """One durable pull consumer and its loop. The handler must be idempotent: delivery is at least once."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        service: str,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        handler: Handler,
+        expect: type[Model] | tuple[type[Model], ...] | None = None,
+        max_deliver: int = 8,
+        ack_wait: float = 30.0,
+        batch: int = 64,
+    ) -> None:
+        self.js = js
+        self.service = service
+        self.stream = stream
+        self.durable = durable
+        self.filter_subject = filter_subject
+        self.handler = handler
+        self.expect = expect
+        self.max_deliver = max_deliver
+        self.ack_wait = ack_wait
+        self.batch = batch
+
+    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+        config = api.ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait,
+            max_deliver=-1,  # we dead-letter ourselves, with the reason, after max_deliver attempts
+            filter_subject=self.filter_subject,
+            max_ack_pending=10_000,
+        )
+        return await self.js.pull_subscribe(
+            self.filter_subject, durable=self.durable, stream=self.stream, config=config
+        )
+
+    async def run(self) -> None:
+        sub = None
+        while True:
+            try:
+                if sub is None:
+                    sub = await self._subscribe()
+                msgs = await sub.fetch(self.batch, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # broker restarting, consumer gone, connection closed
+                log.warning("%s/%s: fetch failed (%s); retrying", self.service, self.durable, e)
+                telemetry.count(f"{self.durable}.fetch_errors")
+                sub = None
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self.handle(msg)
+
+    async def handle(self, msg: Msg) -> None:
+        try:
+            env, body = decode(msg.data, self.expect)
+        except BadMessage as e:
+            await self._dead_letter(msg, f"{e.code}: {e.reason}")
+            return
+        try:
+            with telemetry.span(
+                f"process {msg.subject}",
+                msg.headers,
+                **{"messaging.destination.name": msg.subject, "messaging.message.id": str(env.id)},
+            ):
+                await self.handler(env, body, msg)
+        except Retry as r:
+            telemetry.count(f"{self.durable}.retried")
+            await _settle(msg.nak(delay=r.delay))
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            delivered = msg.metadata.num_delivered
+            log.exception("%s/%s: handler failed (delivery %d)", self.service, self.durable, delivered)
+            if delivered >= self.max_deliver:
+                await self._dead_letter(msg, f"handler failed {delivered} times: {type(e).__name__}: {e}")
+            else:
+                await _settle(msg.nak(delay=min(0.1 * 2**delivered, 5.0)))
+            return
+        await _settle(msg.ack())
+
+    async def _dead_letter(self, msg: Msg, reason: str) -> None:
+        """Park the message with its reason in the DLQ stream, then stop its redelivery."""
+        meta = msg.metadata
+        headers = {
+            MSG_ID: f"dlq:{self.stream}:{meta.sequence.stream}",
+            "Rp-Dlq-Reason": reason[:1000],
+            "Rp-Dlq-Subject": msg.subject,
+            "Rp-Dlq-Stream": self.stream,
+            "Rp-Dlq-Sequence": str(meta.sequence.stream),
+            "Rp-Dlq-Consumer": self.durable,
+        }
+        try:
+            await self.js.publish(
+                subjects.dead_letter(self.service, self.durable), msg.data or b"", headers=headers
+            )
+        except Exception as e:
+            log.warning("%s/%s: dead-letter failed (%s); will retry", self.service, self.durable, e)
+            await _settle(msg.nak(delay=1.0))
+            return
+        log.warning("%s/%s: dead-lettered %s: %s", self.service, self.durable, msg.subject, reason)
+        telemetry.count(f"{self.durable}.dead_lettered")
+        await _settle(msg.term())
+
+
+async def _settle(op: Awaitable[None]) -> None:
+    """Ack/nak/term are best effort: if one is lost, JetStream redelivers and the handler is idempotent."""
+    try:
+        await op
+    except Exception as e:
+        log.info("ack/nak not sent (%s); the message will be redelivered", e)
+
+
+# --- request / reply -----------------------------------------------------------------------------------
+
+CommandHandler = Callable[[Any, Msg], Awaitable[Any]]
+
+
+async def serve(
+    nc: NATS,
+    subject: str,
+    handlers: dict[type[Model], CommandHandler],
+    *,
+    queue: str,
+    check_silo: bool = True,
+) -> Any:
+    """Answer commands on `subject`; each body type goes to its handler; every failure is a clear reply.
+
+    With `check_silo`, a body that names a silo must arrive on that silo's subject, so that permissions
+    granted per silo subject cannot be bypassed by naming another silo in the body.
+    """
+    expect = tuple(handlers)
+
+    async def answer(msg: Msg) -> None:
+        try:
+            env, body = decode(msg.data, expect)
+            if check_silo:
+                named = getattr(body, "silo", None) or subjects.FLEET
+                token = subjects.silo_of(msg.subject)
+                if token != named and not (token == subjects.FLEET and named != subjects.FLEET):
+                    raise CommandError(
+                        "forbidden", f"command for silo {named!r} sent on the subject of {token!r}"
+                    )
+            with telemetry.span(
+                f"process {msg.subject}", msg.headers, **{"messaging.message.id": str(env.id)}
+            ):
+                data = await handlers[type(body)](body, msg)
+            reply = Reply(ok=True, data=data)
+        except BadMessage as e:
+            telemetry.count("commands.rejected")
+            reply = Reply(ok=False, error={"code": e.code, "message": e.reason})
+        except CommandError as e:
+            reply = Reply(ok=False, error={"code": e.code, "message": e.message})
+        except Exception as e:
+            log.exception("command on %s failed", msg.subject)
+            reply = Reply(ok=False, error={"code": "internal", "message": f"{type(e).__name__}: {e}"})
+        if msg.reply:
+            try:
+                await msg.respond(reply.model_dump_json().encode())
+            except Exception as e:
+                log.info("reply to %s not sent: %s", msg.subject, e)
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def on_msg(msg: Msg) -> None:
+        t = asyncio.create_task(answer(msg))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    return await nc.subscribe(subject, queue=queue, cb=on_msg)
+
+
+async def request(nc: NATS, subject: str, body: Model, *, source: str, timeout: float = 10.0) -> Any:
+    """Send a command and return the reply's data, or raise CommandError with the server's message."""
+    env = envelope(body, source)
+    try:
+        with telemetry.span(f"send {subject}", **{"messaging.destination.name": subject}):
+            msg = await nc.request(subject, encode(env), timeout=timeout, headers=headers_for(env))
+    except nats.errors.NoRespondersError:
+        raise CommandError("unavailable", f"no service answers {subject}: is the stack running?") from None
+    except nats.errors.TimeoutError:
+        raise CommandError("timeout", f"no reply on {subject} within {timeout:g}s") from None
+    reply = Reply.model_validate_json(msg.data)
+    if not reply.ok:
+        err = reply.error or {}
+        raise CommandError(err.get("code", "error"), err.get("message", "unknown error"))
+    return reply.data

@@ -1,0 +1,171 @@
+"""PostgreSQL, the way every service uses it: a pool confined to the service's own schema, migrations
+kept as plain .sql files next to the code that uses them, named queries loaded from .sql files, and the
+transactional outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from nats.js import JetStreamContext
+
+from shared import telemetry
+from shared.bus import MSG_ID, headers_for, msg_id_for
+from shared.messages import Model, encode, envelope
+
+log = logging.getLogger(__name__)
+
+SHARED_SQL = Path(__file__).parent / "sql"
+_NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
+
+
+@cache
+def queries(path: Path) -> dict[str, str]:
+    """Named queries of a .sql file: each starts with a `-- name: NAME` line."""
+    text = path.read_text()
+    parts = _NAME.split(text)
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=str)
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=_json, decoder=json.loads, schema="pg_catalog")
+
+
+async def create_pool(dsn: str, schema: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
+    """A pool whose connections see only `schema` (the service's own tables) by default."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        try:
+            conn = await asyncpg.connect(dsn)
+            break
+        except (OSError, asyncpg.PostgresError) as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ConnectionError(f"cannot reach postgres: {e}") from e
+            await asyncio.sleep(0.25)
+    try:
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+    except asyncpg.UniqueViolationError:
+        pass  # two services creating their schemas at once
+    finally:
+        await conn.close()
+    pool = await asyncpg.create_pool(
+        dsn,
+        min_size=min_size,
+        max_size=max_size,
+        init=_init_connection,
+        server_settings={"search_path": schema, "application_name": schema},
+    )
+    assert pool is not None
+    return pool
+
+
+async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path) -> list[str]:
+    """Apply the NNN_*.sql files of `dirs` not yet applied to `schema`, each in its own transaction.
+
+    The shared outbox migration comes first. An advisory lock per schema lets several replicas start at
+    once. Returns the names applied now.
+    """
+    files = sorted(SHARED_SQL.glob("[0-9][0-9][0-9]_*.sql"), key=lambda p: p.name)
+    for d in dirs:
+        files += sorted(d.glob("[0-9][0-9][0-9]_*.sql"), key=lambda p: p.name)
+    applied_now: list[str] = []
+    async with pool.acquire() as conn:
+        await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"migrate:{schema}")
+        try:
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations "
+                "(name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {r["name"] for r in await conn.fetch("SELECT name FROM schema_migrations")}
+            for f in files:
+                name = f"{f.parent.parent.name}/{f.name}" if f.parent != SHARED_SQL else f"shared/{f.name}"
+                if name in done:
+                    continue
+                async with conn.transaction():
+                    await conn.execute(f.read_text())
+                    await conn.execute("INSERT INTO schema_migrations (name) VALUES ($1)", name)
+                applied_now.append(name)
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", f"migrate:{schema}")
+    return applied_now
+
+
+# --- transactional outbox ------------------------------------------------------------------------------
+
+OUTBOX = SHARED_SQL / "outbox.sql"
+
+
+async def enqueue(
+    conn: asyncpg.Connection, subject: str, body: Model, *, source: str, key: str | None = None
+) -> None:
+    """Write a message to publish once the caller's transaction commits. `key` makes its id stable."""
+    env = envelope(body, source, msg_id_for(key) if key else None)
+    await conn.execute(queries(OUTBOX)["enqueue"], env.id, subject, encode(env), headers_for(env))
+
+
+class OutboxRelay:
+    """Publishes committed outbox rows to JetStream in order, then deletes them.
+
+    A row is deleted only after JetStream acknowledged it; a crash in between publishes it again with the
+    same Nats-Msg-Id, which the broker drops as a duplicate inside its window (and consumers are
+    idempotent beyond it).
+    """
+
+    def __init__(self, pool: asyncpg.Pool, js: JetStreamContext, *, batch: int = 256) -> None:
+        self.pool = pool
+        self.js = js
+        self.batch = batch
+        self.wake = asyncio.Event()
+
+    def kick(self) -> None:
+        self.wake.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                sent = await self.drain_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("outbox relay: %s; retrying", e)
+                telemetry.count("outbox.errors")
+                sent = 0
+                await asyncio.sleep(0.5)
+            if sent < self.batch:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=0.05)
+                except TimeoutError:
+                    pass
+
+    async def drain_once(self) -> int:
+        q = queries(OUTBOX)
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(q["claim"], self.batch)
+            if not rows:
+                return 0
+            acks = [
+                await self.js.publish_async(
+                    r["subject"], r["payload"], headers={**r["headers"], MSG_ID: str(r["msg_id"])}
+                )
+                for r in rows
+            ]
+            await asyncio.wait_for(asyncio.gather(*acks), timeout=10)
+            await conn.execute(q["delete"], [r["seq"] for r in rows])
+        telemetry.count("outbox.published", len(rows))
+        return len(rows)
+
+
+def row(record: asyncpg.Record | None) -> dict[str, Any] | None:
+    return dict(record) if record is not None else None

@@ -1,0 +1,441 @@
+"""Versioned message schemas and the envelope that carries every one of them.
+
+Every message on the bus is an `Envelope` whose `data` validates against the model registered for its
+`(schema, version)`. A message that fails this never reaches a handler: the bus layer answers it with an
+error reply (commands) or dead-letters it with the reason (streams).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+NAME_PATTERN = r"^[a-z][a-z0-9-]{0,62}$"
+"""Silo, project, instance and pool names: safe as NATS subject tokens and as path segments."""
+
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+PositiveInt = Annotated[int, Field(gt=0, le=2**50)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=2**62)]
+Generation = Annotated[int, Field(ge=1, le=2**62)]
+
+
+class BadMessage(Exception):
+    """A message that cannot be handled as sent: unparseable, unknown schema or version, invalid data."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Envelope(Model):
+    schema_: str = Field(alias="schema", min_length=1, max_length=100)
+    version: int = Field(ge=1)
+    id: uuid.UUID
+    source: str = Field(min_length=1, max_length=200)
+    time: datetime
+    data: dict[str, Any]
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+_REGISTRY: dict[tuple[str, int], type[Model]] = {}
+_SCHEMA_OF: dict[type[Model], tuple[str, int]] = {}
+
+
+def message(schema: str, version: int = 1):
+    """Register a model as the body of `schema` at `version`."""
+
+    def register(cls: type[Model]) -> type[Model]:
+        key = (schema, version)
+        if key in _REGISTRY:
+            raise RuntimeError(f"schema {schema} v{version} registered twice")
+        _REGISTRY[key] = cls
+        _SCHEMA_OF[cls] = key
+        return cls
+
+    return register
+
+
+def schema_of(model: type[Model] | Model) -> tuple[str, int]:
+    cls = model if isinstance(model, type) else type(model)
+    return _SCHEMA_OF[cls]
+
+
+def registry() -> dict[tuple[str, int], type[Model]]:
+    return dict(_REGISTRY)
+
+
+def envelope(body: Model, source: str, msg_id: uuid.UUID | None = None) -> Envelope:
+    schema, version = schema_of(body)
+    return Envelope(
+        schema=schema,
+        version=version,
+        id=msg_id or uuid.uuid4(),
+        source=source,
+        time=datetime.now(UTC),
+        data=body.model_dump(mode="json"),
+    )
+
+
+def encode(env: Envelope) -> bytes:
+    return env.model_dump_json(by_alias=True).encode()
+
+
+def decode(raw: bytes, expect: type[Model] | tuple[type[Model], ...] | None = None) -> tuple[Envelope, Model]:
+    """Parse and validate raw bytes into (envelope, body); raise BadMessage with a reason otherwise."""
+    try:
+        env = Envelope.model_validate_json(raw)
+    except ValidationError as e:
+        raise BadMessage("malformed", f"not a valid envelope: {_first_error(e)}") from None
+    model = _REGISTRY.get((env.schema_, env.version))
+    if model is None:
+        known = sorted(v for (s, v) in _REGISTRY if s == env.schema_)
+        if known:
+            raise BadMessage(
+                "unsupported_version",
+                f"schema {env.schema_} version {env.version} is not supported (supported: {known})",
+            )
+        raise BadMessage("unknown_schema", f"unknown schema {env.schema_!r}")
+    if expect is not None:
+        allowed = expect if isinstance(expect, tuple) else (expect,)
+        if model not in allowed:
+            names = ", ".join(_SCHEMA_OF[m][0] for m in allowed)
+            raise BadMessage("wrong_schema", f"expected {names}, got {env.schema_}")
+    try:
+        body = model.model_validate(env.data)
+    except ValidationError as e:
+        raise BadMessage("invalid", f"{env.schema_} v{env.version}: {_first_error(e)}") from None
+    return env, body
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "message"
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    return f"{where}: {err['msg']}{more}"
+
+
+# --- domain vocabulary ---------------------------------------------------------------------------------
+
+
+class InstanceState(StrEnum):
+    creating = "creating"
+    stopped = "stopped"
+    starting = "starting"
+    running = "running"
+    stopping = "stopping"
+    migrating = "migrating"
+    failed = "failed"
+    destroyed = "destroyed"
+
+
+class VmmState(StrEnum):
+    starting = "starting"
+    running = "running"
+    stopping = "stopping"
+    stopped = "stopped"
+    failed = "failed"
+    destroyed = "destroyed"
+
+    @property
+    def terminal(self) -> bool:
+        """A VMM in a terminal state never comes back: its sled has let go of it for good."""
+        return self in (VmmState.stopped, VmmState.failed, VmmState.destroyed)
+
+
+class AutoRestart(StrEnum):
+    best_effort = "best_effort"
+    never = "never"
+
+
+# --- commands to sleds (JetStream, rp.sled.<sled>.cmd.*) -----------------------------------------------
+
+
+@message("rp.sled.vmm.ensure")
+class VmmEnsure(Model):
+    """Run this VMM. Idempotent: a VMM the sled already runs, or has already ended, is left as it is."""
+
+    vmm_id: uuid.UUID
+    instance_id: uuid.UUID
+    vcpus: PositiveInt
+    ram_bytes: PositiveInt
+
+
+@message("rp.sled.vmm.stop")
+class VmmStop(Model):
+    vmm_id: uuid.UUID
+
+
+@message("rp.sled.vmm.destroy")
+class VmmDestroy(Model):
+    """Tear the VMM down whatever its state (undo of a start, or a zombie)."""
+
+    vmm_id: uuid.UUID
+
+
+# --- reports from sleds (JetStream, rp.sled.<sled>.report.*) --------------------------------------------
+
+
+@message("rp.sled.vmm.report")
+class VmmReport(Model):
+    sled_id: Name
+    boot_id: uuid.UUID
+    vmm_id: uuid.UUID
+    instance_id: uuid.UUID
+    state: VmmState
+    generation: Generation
+
+
+class InventoryVmm(Model):
+    vmm_id: uuid.UUID
+    instance_id: uuid.UUID
+    state: VmmState
+    generation: Generation
+
+
+@message("rp.sled.inventory")
+class SledInventory(Model):
+    sled_id: Name
+    boot_id: uuid.UUID
+    vcpus: PositiveInt
+    ram_bytes: PositiveInt
+    vmms: list[InventoryVmm]
+
+
+# --- accounting (JetStream, rp.acct.delta.<silo>.<project>) ---------------------------------------------
+
+
+@message("rp.acct.delta")
+class ProvisionDelta(Model):
+    """What one instance should be charged, as of its state generation.
+
+    It states the whole charge rather than a difference, so that applying it twice, or after a newer one,
+    is detectable from the generation alone.
+    """
+
+    instance_id: uuid.UUID
+    project_id: uuid.UUID
+    silo_id: uuid.UUID
+    generation: Generation
+    vcpus: NonNegativeInt
+    ram_bytes: NonNegativeInt
+    disk_bytes: NonNegativeInt
+
+
+class Outcome(StrEnum):
+    applied = "applied"
+    refused = "refused"
+    stale = "stale"
+
+
+@message("rp.evt.provision.outcome")
+class ProvisionOutcome(Model):
+    instance_id: uuid.UUID
+    generation: Generation
+    outcome: Outcome
+    reason: str = ""
+
+
+class Usage(Model):
+    vcpus: int
+    ram_bytes: int
+    disk_bytes: int
+
+
+@message("rp.evt.usage.changed")
+class UsageChanged(Model):
+    silo_id: uuid.UUID
+    project_id: uuid.UUID
+    project: Usage
+    silo: Usage
+
+
+# --- events (JetStream, rp.evt.<silo>.*) ---------------------------------------------------------------
+
+
+class Quota(Model):
+    vcpus: NonNegativeInt | None = None
+    ram_bytes: NonNegativeInt | None = None
+    disk_bytes: NonNegativeInt | None = None
+
+
+@message("rp.evt.silo.created")
+class SiloCreated(Model):
+    silo_id: uuid.UUID
+    name: Name
+    quota: Quota
+
+
+@message("rp.evt.project.created")
+class ProjectCreated(Model):
+    project_id: uuid.UUID
+    silo_id: uuid.UUID
+    silo: Name
+    name: Name
+
+
+class InstanceView(Model):
+    id: uuid.UUID
+    silo: Name
+    project: Name
+    name: Name
+    silo_id: uuid.UUID
+    project_id: uuid.UUID
+    vcpus: int
+    ram_bytes: int
+    disk_bytes: int
+    auto_restart: AutoRestart
+    state: InstanceState
+    generation: int
+    active_vmm_id: uuid.UUID | None
+    sled_id: str | None
+    last_error: str | None = None
+    updated_at: datetime
+
+
+@message("rp.evt.instance.changed")
+class InstanceChanged(Model):
+    instance: InstanceView
+
+
+class SledView(Model):
+    id: str
+    state: str
+    boot_id: uuid.UUID | None
+    vcpus: int
+    ram_bytes: int
+    reserved_vcpus: int
+    reserved_ram_bytes: int
+    vmms: int
+    last_seen_at: datetime | None
+
+
+@message("rp.evt.sled.changed")
+class SledChanged(Model):
+    sled: SledView
+
+
+# --- operator commands (request/reply, rp.cmd.<silo>.<resource>.<verb>) -------------------------------
+
+
+@message("rp.cmd.silo.create")
+class SiloCreate(Model):
+    name: Name
+    quota: Quota = Quota()
+
+
+@message("rp.cmd.silo.list")
+class SiloList(Model):
+    pass
+
+
+@message("rp.cmd.project.create")
+class ProjectCreate(Model):
+    silo: Name
+    name: Name
+
+
+@message("rp.cmd.project.list")
+class ProjectList(Model):
+    silo: Name
+
+
+class InstanceRef(Model):
+    silo: Name
+    project: Name
+    name: Name
+
+
+@message("rp.cmd.instance.create")
+class InstanceCreate(Model):
+    silo: Name
+    project: Name
+    name: Name
+    vcpus: Annotated[int, Field(ge=1, le=256)]
+    ram_bytes: Annotated[int, Field(ge=2**20, le=2**44)]
+    disk_bytes: Annotated[int, Field(ge=2**20, le=2**46)]
+    auto_restart: AutoRestart = AutoRestart.best_effort
+
+
+@message("rp.cmd.instance.start")
+class InstanceStart(InstanceRef):
+    pass
+
+
+@message("rp.cmd.instance.stop")
+class InstanceStop(InstanceRef):
+    pass
+
+
+@message("rp.cmd.instance.delete")
+class InstanceDelete(InstanceRef):
+    pass
+
+
+@message("rp.cmd.instance.show")
+class InstanceShow(InstanceRef):
+    pass
+
+
+@message("rp.cmd.instance.list")
+class InstanceList(Model):
+    silo: Name | None = None
+    project: Name | None = None
+
+
+@message("rp.cmd.sled.list")
+class SledList(Model):
+    pass
+
+
+@message("rp.cmd.usage.get")
+class UsageGet(Model):
+    silo: Name | None = None
+    project: Name | None = None
+
+    @field_validator("project")
+    @classmethod
+    def _project_needs_silo(cls, v: str | None, info: Any) -> str | None:
+        if v is not None and info.data.get("silo") is None:
+            raise ValueError("a project is named within a silo")
+        return v
+
+
+# --- simulator control (request/reply, rp.sim.*) ---------------------------------------------------------
+
+
+@message("rp.sim.faults.set")
+class SimFaults(Model):
+    """Faults a simulated sled applies to its own outgoing reports, until changed."""
+
+    sled_id: Name
+    delay_state: VmmState | None = None
+    delay_seconds: Annotated[float, Field(ge=0, le=3600)] = 0
+    delay_count: Annotated[int, Field(ge=0, le=1000)] = 0
+    duplicate: Annotated[int, Field(ge=0, le=10)] = 0
+    drop_probability: Annotated[float, Field(ge=0, le=1)] = 0
+
+
+class Reply(BaseModel):
+    """The body of every request/reply answer: `ok` with `data`, or an error with a code and message."""
+
+    ok: bool
+    data: Any = None
+    error: dict[str, str] | None = None
+
+
+Kind = Literal["cmd", "evt"]
+
+
+@message("rp.svc.stats")
+class StatsGet(Model):
+    """Ask a service for its counters (fences fired, duplicates seen, dead letters...)."""

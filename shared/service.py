@@ -1,0 +1,60 @@
+"""What every service process does around its own work: settings, logging, tracing, connections,
+the task group, and a clean stop on SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import Any
+
+from shared import telemetry
+from shared.config import Settings, setup_logging
+
+log = logging.getLogger(__name__)
+
+
+def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
+    """Run `main` until it returns or the process is asked to stop."""
+    settings = Settings.from_env()
+    setup_logging(service, settings.log_level)
+    telemetry.setup_tracing(service)
+
+    async def supervise() -> None:
+        task = asyncio.create_task(main(settings))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with suppress(asyncio.CancelledError):
+            await task
+        log.info("%s stopped", service)
+
+    try:
+        asyncio.run(supervise())
+    finally:
+        telemetry.shutdown_tracing()
+
+
+async def run_forever(*coros: Awaitable[None]) -> None:
+    """Run long-lived loops together; if one fails, the process fails (and its supervisor restarts it)."""
+    async with asyncio.TaskGroup() as tg:
+        for c in coros:
+            tg.create_task(c)  # type: ignore[arg-type]
+
+
+async def serve_stats(
+    nc: Any, service: str, extra: Callable[[], Awaitable[dict[str, Any]]] | None = None
+) -> None:
+    """Answer `rp.svc.<service>.stats` with the process's counters (and `extra`, if given)."""
+    from shared import bus, subjects
+    from shared.messages import StatsGet
+
+    async def answer(body: StatsGet, msg: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"service": service, "counters": dict(telemetry.COUNTERS)}
+        if extra is not None:
+            out.update(await extra())
+        return out
+
+    await bus.serve(nc, subjects.stats(service), {StatsGet: answer}, queue=service, check_silo=False)

@@ -1,0 +1,74 @@
+"""The subject scheme, in one place. docs/subjects.md explains it; tests/test_subjects.py keeps both true.
+
+Subjects are shaped so that broker permissions can confine a client by prefix:
+a sled agent to `rp.sled.<its id>.>`, a silo operator to `rp.cmd.<silo>.>` and `rp.evt.<silo>.>`.
+"""
+
+from __future__ import annotations
+
+FLEET = "_fleet"
+"""The silo token of fleet-wide commands and events. Names start with a letter, so none collides."""
+
+# Streams: name -> subjects it captures.
+SLED_CMD_STREAM = "SLED_CMD"
+SLED_REPORT_STREAM = "SLED_REPORT"
+PROVISION_STREAM = "PROVISION"
+EVENTS_STREAM = "EVENTS"
+DLQ_STREAM = "DLQ"
+
+STREAMS: dict[str, list[str]] = {
+    SLED_CMD_STREAM: ["rp.sled.*.cmd.>"],
+    SLED_REPORT_STREAM: ["rp.sled.*.report.>"],
+    PROVISION_STREAM: ["rp.acct.delta.>"],
+    EVENTS_STREAM: ["rp.evt.>"],
+    DLQ_STREAM: ["rp.dlq.>"],
+}
+
+
+def command(silo: str | None, resource: str, verb: str) -> str:
+    """Operator command (request/reply): `rp.cmd.<silo|_fleet>.<resource>.<verb>`."""
+    return f"rp.cmd.{silo or FLEET}.{resource}.{verb}"
+
+
+def command_pattern(resource: str, verb: str = "*") -> str:
+    """What the owning service subscribes to, for every silo."""
+    return f"rp.cmd.*.{resource}.{verb}"
+
+
+def sled_command(sled_id: str, verb: str) -> str:
+    """Command to one sled (JetStream): `rp.sled.<sled>.cmd.<verb>`."""
+    return f"rp.sled.{sled_id}.cmd.{verb}"
+
+
+def sled_report(sled_id: str, kind: str) -> str:
+    """Report from one sled (JetStream): `rp.sled.<sled>.report.<kind>`, kind is `vmm` or `inventory`."""
+    return f"rp.sled.{sled_id}.report.{kind}"
+
+
+def provision_delta(silo: str, project: str) -> str:
+    """Provisioning delta (JetStream), consumed by accounting: `rp.acct.delta.<silo>.<project>`."""
+    return f"rp.acct.delta.{silo}.{project}"
+
+
+def event(silo: str | None, resource: str, what: str) -> str:
+    """Durable event anyone may follow: `rp.evt.<silo|_fleet>.<resource>.<what>`."""
+    return f"rp.evt.{silo or FLEET}.{resource}.{what}"
+
+
+def dead_letter(service: str, consumer: str) -> str:
+    return f"rp.dlq.{service}.{consumer}"
+
+
+def sim_control(verb: str) -> str:
+    """Simulator control (request/reply): `rp.sim.<verb>`. Test and operator tooling only."""
+    return f"rp.sim.{verb}"
+
+
+def silo_of(subject: str) -> str:
+    """The silo token of a command or event subject."""
+    return subject.split(".")[2]
+
+
+def stats(service: str) -> str:
+    """A service's counters (request/reply): `rp.svc.<service>.stats`."""
+    return f"rp.svc.{service}.stats"

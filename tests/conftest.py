@@ -1,0 +1,100 @@
+"""Fixtures: one real stack (nats-server, PostgreSQL, the four services as processes) for the session.
+
+Tests that kill or restart the broker or the database build their own `Stack` on free ports instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from deploy.stack import Stack
+from rackctl.client import Client
+
+GiB = 2**30
+
+FAST = {
+    "RACKPLANE_VMM_START_DELAY": "0.05",
+    "RACKPLANE_VMM_STOP_DELAY": "0.05",
+    "RACKPLANE_REPORT_RETRY": "0.5",
+    "RACKPLANE_INVENTORY_INTERVAL": "1",
+    "RACKPLANE_RECONCILE_INTERVAL": "1",
+    "RACKPLANE_LOG": "INFO",
+}
+
+
+def make_stack(name: str, **env: str) -> Stack:
+    base = Path(tempfile.mkdtemp(prefix=f"rackplane-{name}-"))
+    os.chmod(base, 0o755)
+    return Stack(base, env={**FAST, **env})
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    s = make_stack("session", RACKPLANE_TRACES=f"file:{tempfile.gettempdir()}/rackplane-traces-{os.getpid()}.jsonl")
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+        if os.environ.get("RACKPLANE_KEEP_LOGS") is None:
+            shutil.rmtree(s.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+async def client(stack: Stack) -> AsyncIterator[Client]:
+    c = await Client.connect(stack.nats_url)
+    yield c
+    await c.close()
+
+
+@pytest.fixture(scope="session")
+async def db(stack: Stack) -> AsyncIterator[asyncpg.Pool]:
+    """Direct database access, for tests that check invariants across services' tables."""
+    pool = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
+    assert pool is not None
+    yield pool
+    await pool.close()
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+async def project(client: Client) -> tuple[str, str]:
+    """A fresh silo (no quota) and project."""
+    silo, proj = unique("silo"), unique("proj")
+    await client.silo_create(silo)
+    await client.project_create(silo, proj)
+    return silo, proj
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0, interval: float = 0.1) -> Any:
+    """Poll `check` until it returns something truthy; fail with its last value otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met after {timeout}s (last: {last!r})")
+
+
+async def wait_state(client: Client, silo: str, project: str, name: str, state: str, timeout: float = 15.0) -> Any:
+    async def check() -> Any:
+        v = await client.instance("show", silo, project, name)
+        return v if v["state"] == state else None
+
+    return await eventually(check, timeout)
