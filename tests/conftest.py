@@ -41,7 +41,9 @@ def make_stack(name: str, **env: str) -> Stack:
 
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
-    s = make_stack("session", RACKPLANE_TRACES=f"file:{tempfile.gettempdir()}/rackplane-traces-{os.getpid()}.jsonl")
+    s = make_stack(
+        "session", RACKPLANE_TRACES=f"file:{tempfile.gettempdir()}/rackplane-traces-{os.getpid()}.jsonl"
+    )
     try:
         s.start()
         yield s
@@ -80,7 +82,9 @@ async def project(client: Client) -> tuple[str, str]:
     return silo, proj
 
 
-async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0, interval: float = 0.1) -> Any:
+async def eventually(
+    check: Callable[[], Awaitable[Any]], timeout: float = 15.0, interval: float = 0.1
+) -> Any:
     """Poll `check` until it returns something truthy; fail with its last value otherwise."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -92,9 +96,43 @@ async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0,
     raise AssertionError(f"condition not met after {timeout}s (last: {last!r})")
 
 
-async def wait_state(client: Client, silo: str, project: str, name: str, state: str, timeout: float = 15.0) -> Any:
+async def wait_state(
+    client: Client, silo: str, project: str, name: str, state: str, timeout: float = 15.0
+) -> Any:
     async def check() -> Any:
         v = await client.instance("show", silo, project, name)
         return v if v["state"] == state else None
 
     return await eventually(check, timeout)
+
+
+async def assert_invariants(db: asyncpg.Pool, *, at_rest: bool = True, timeout: float = 10.0) -> None:
+    """The checker finds nothing (waiting, for at-rest checks, until in-flight work has settled)."""
+    from rackctl.check import check
+
+    async def clean() -> Any:
+        async with db.acquire() as conn:
+            return not await check(conn, at_rest=at_rest)
+
+    try:
+        await eventually(clean, timeout)
+    except AssertionError:
+        async with db.acquire() as conn:
+            raise AssertionError(
+                "invariants violated:\n" + "\n".join(await check(conn, at_rest=at_rest))
+            ) from None
+
+
+async def counter(client: Client, service: str, name: str) -> int:
+    return (await client.stats(service))["counters"].get(name, 0)
+
+
+async def usage_is(
+    client: Client, expected: dict[str, int], silo: str | None = None, project: str | None = None
+) -> None:
+    """Charges follow state through the outbox and accounting's stream: wait for them to land."""
+
+    async def check() -> bool:
+        return (await client.usage(silo, project))["usage"] == expected
+
+    await eventually(check, timeout=10)
