@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import pwd
@@ -20,15 +21,28 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import asyncpg
 import nats
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("sled_agent", "instance_manager", "accounting", "recovery")
 PG_USER = "nobody"
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion from sync code, even when called under a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def free_port() -> int:
@@ -179,7 +193,7 @@ class Postgres:
                 else ""
             )
             raise RuntimeError(f"postgres did not start: {e.stderr.decode()}\n{log}") from e
-        asyncio.run(self._create_database())
+        run_sync(self._create_database())
         return self
 
     async def _create_database(self) -> None:
@@ -296,7 +310,7 @@ class Stack:
         return self
 
     def wait_ready(self, names: tuple[str, ...] = SERVICES, timeout: float = 30) -> None:
-        asyncio.run(_wait_ready(self.nats_url or "", [n.replace("_", "-") for n in names], timeout, self))
+        run_sync(_wait_ready(self.nats_url or "", [n.replace("_", "-") for n in names], timeout, self))
 
     def stop(self) -> None:
         for svc in self.services.values():
@@ -339,7 +353,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.stack", description="Run the whole rackplane stack."
     )
-    parser.add_argument("--dir", type=Path, default=ROOT / ".rackplane", help="where throwaway state lives")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(os.environ.get("RACKPLANE_HOME", ROOT / ".rackplane")),
+        help="where throwaway state and logs live (default: $RACKPLANE_HOME or .rackplane)",
+    )
     args = parser.parse_args()
     env = {
         "RACKPLANE_NATS_PORT": os.environ.get("RACKPLANE_NATS_PORT", "4222"),

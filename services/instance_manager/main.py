@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,23 @@ async def build(settings: Settings) -> App:
     app = App(pool, nc, js, settings.database_url)
     app.sagas.register(CREATE)
     app.sagas.register(START)
+    if crash_at := os.environ.get("RACKPLANE_CRASH_BEFORE_STEP"):
+        app.sagas.before_step = crash_before(set(crash_at.split(",")))
     return app
+
+
+def crash_before(points: set[str]) -> Callable[[str, str], Awaitable[None]]:
+    """Fault injection for tests: die as kill -9 would just before a saga step.
+
+    `points` holds "kind/step" or "kind/undo:step" names.
+    """
+
+    async def hook(kind: str, step: str) -> None:
+        if f"{kind}/{step}" in points:
+            log.warning("crashing before %s/%s, as RACKPLANE_CRASH_BEFORE_STEP asks", kind, step)
+            os._exit(137)
+
+    return hook
 
 
 def consumers(app: App) -> list[bus.Consumer]:

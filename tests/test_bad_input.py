@@ -1,0 +1,170 @@
+"""Acceptance 7: bad input gets a clear error reply or a dead-letter entry with the reason, and the
+services go on serving."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+import pytest
+
+from rackctl.client import Client
+from shared import subjects
+from shared.bus import MSG_ID
+from shared.messages import Reply
+from tests.conftest import GiB, counter, eventually, wait_state
+
+
+def raw_envelope(schema: str, version: int, data: dict[str, Any]) -> bytes:
+    return json.dumps(
+        {
+            "schema": schema,
+            "version": version,
+            "id": str(uuid.uuid4()),
+            "source": "test",
+            "time": datetime.now(UTC).isoformat(),
+            "data": data,
+        }
+    ).encode()
+
+
+async def raw_request(client: Client, subject: str, payload: bytes) -> Reply:
+    msg = await client.nc.request(subject, payload, timeout=5)
+    return Reply.model_validate_json(msg.data)
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "says"),
+    [
+        (b"{not json", "malformed", "not a valid envelope"),
+        (b'{"schema": "rp.cmd.instance.start"}', "malformed", "version"),
+        (raw_envelope("rp.cmd.instance.start", 99, {}), "unsupported_version", "version 99 is not supported"),
+        (raw_envelope("rp.cmd.instance.reboot", 1, {}), "unknown_schema", "unknown schema"),
+        (raw_envelope("rp.cmd.silo.create", 1, {"name": "x"}), "wrong_schema", "expected"),
+        (
+            raw_envelope(
+                "rp.cmd.instance.create",
+                1,
+                {"silo": "s", "project": "p", "name": "n", "vcpus": 0, "ram_bytes": GiB, "disk_bytes": GiB},
+            ),
+            "invalid",
+            "vcpus",
+        ),
+        (
+            raw_envelope("rp.cmd.instance.start", 1, {"silo": "other", "project": "p", "name": "n"}),
+            "forbidden",
+            "sent on the subject of",
+        ),
+        (
+            raw_envelope("rp.cmd.instance.start", 1, {"silo": "s", "project": "Bad Name!", "name": "n"}),
+            "invalid",
+            "project",
+        ),
+    ],
+)
+async def test_bad_commands_get_a_clear_error_reply(
+    client: Client, payload: bytes, code: str, says: str
+) -> None:
+    reply = await raw_request(client, subjects.command("s", "instance", "start"), payload)
+    assert not reply.ok and reply.error is not None
+    assert reply.error["code"] == code
+    assert says in reply.error["message"]
+
+
+async def dead_letter(client: Client, service: str, consumer: str) -> Any:
+    js = client.nc.jetstream()
+    return await js.get_last_msg(subjects.DLQ_STREAM, subjects.dead_letter(service, consumer))
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\x00\xffgarbage", "malformed: not a valid envelope"),
+        (
+            raw_envelope("rp.sled.vmm.report", 7, {}),
+            "unsupported_version: schema rp.sled.vmm.report version 7",
+        ),
+        (
+            raw_envelope(
+                "rp.sled.vmm.report",
+                1,
+                {
+                    "sled_id": "sled-0",
+                    "boot_id": str(uuid.uuid4()),
+                    "vmm_id": str(uuid.uuid4()),
+                    "instance_id": str(uuid.uuid4()),
+                    "state": "running",
+                    "generation": 0,
+                },
+            ),
+            "invalid: rp.sled.vmm.report v1: generation",
+        ),
+        (
+            raw_envelope(
+                "rp.sled.vmm.report",
+                1,
+                {
+                    "sled_id": "sled-0",
+                    "boot_id": str(uuid.uuid4()),
+                    "vmm_id": str(uuid.uuid4()),
+                    "instance_id": str(uuid.uuid4()),
+                    "state": "exploded",
+                    "generation": 3,
+                },
+            ),
+            "invalid: rp.sled.vmm.report v1: state",
+        ),
+    ],
+)
+async def test_a_bad_sled_report_is_dead_lettered_with_its_reason(
+    client: Client, payload: bytes, reason: str
+) -> None:
+    js = client.nc.jetstream()
+    before = await counter(client, "instance-manager", "instance-manager-vmm-reports.dead_lettered")
+    mark = str(uuid.uuid4())
+    await js.publish(subjects.sled_report("sled-0", "vmm"), payload, headers={MSG_ID: mark})
+
+    async def parked() -> bool:
+        return (
+            await counter(client, "instance-manager", "instance-manager-vmm-reports.dead_lettered") > before
+        )
+
+    await eventually(parked)
+    entry = await dead_letter(client, "instance-manager", "instance-manager-vmm-reports")
+    assert entry.data == payload  # nothing lost: the message itself is kept
+    assert entry.headers["Rp-Dlq-Reason"].startswith(reason)
+    assert entry.headers["Rp-Dlq-Subject"] == subjects.sled_report("sled-0", "vmm")
+    assert entry.headers["Rp-Dlq-Stream"] == subjects.SLED_REPORT_STREAM
+
+
+async def test_a_bad_delta_is_dead_lettered(client: Client) -> None:
+    js = client.nc.jetstream()
+    payload = raw_envelope("rp.acct.delta", 1, {"instance_id": "nope"})
+    await js.publish(subjects.provision_delta("s", "p"), payload, headers={MSG_ID: str(uuid.uuid4())})
+
+    async def parked() -> Any:
+        entry = await dead_letter(client, "accounting", "accounting-deltas")
+        return entry if entry.data == payload else None
+
+    entry = await eventually(parked)
+    assert entry.headers["Rp-Dlq-Reason"].startswith("invalid: rp.acct.delta v1")
+
+
+async def test_services_go_on_serving_after_bad_input(
+    client: Client, db: asyncpg.Pool, project: tuple[str, str]
+) -> None:
+    js = client.nc.jetstream()
+    for i in range(5):
+        await js.publish(
+            subjects.sled_report("sled-1", "vmm"), b"junk", headers={MSG_ID: f"junk-{uuid.uuid4()}-{i}"}
+        )
+        await client.nc.request(subjects.command("s", "instance", "start"), b"junk", timeout=5)
+    silo, proj = project
+    await client.instance_create(silo, proj, "after", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+    await client.instance("start", silo, proj, "after")
+    await wait_state(client, silo, proj, "after", "running")  # reports still flow, commands still answered
+    await client.instance("stop", silo, proj, "after")
+    await wait_state(client, silo, proj, "after", "stopped")

@@ -1,0 +1,98 @@
+"""Sagas are durable: an instance-manager killed between two start-saga steps resumes the saga when it
+comes back, and leaves no leaked charge, reservation or VMM."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from deploy.stack import Stack
+from rackctl.client import Client
+from shared.bus import CommandError
+from shared.messages import Quota
+from tests.conftest import GiB, assert_invariants, eventually, make_stack, wait_state
+
+STEPS = ["charge", "place", "create_vmm", "ensure_on_sled"]
+
+
+@pytest.fixture(scope="module")
+async def crashy() -> AsyncIterator[tuple[Stack, Client, asyncpg.Pool]]:
+    stack = make_stack("crash")
+    stack.start()
+    client = await Client.connect(stack.nats_url)
+    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=2)
+    try:
+        yield stack, client, db
+    finally:
+        await db.close()
+        await client.close()
+        stack.stop()
+        shutil.rmtree(stack.dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("step", STEPS)
+async def test_a_start_saga_resumes_after_a_crash_before_each_step(
+    crashy: tuple[Stack, Client, asyncpg.Pool], step: str
+) -> None:
+    stack, client, db = crashy
+    silo, proj, name = f"crash-{step.replace('_', '-')}", "p", "vm"
+    await client.silo_create(silo)
+    await client.project_create(silo, proj)
+    await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
+
+    im = stack.services["instance_manager"]
+    im.stop()
+    stack.env["RACKPLANE_CRASH_BEFORE_STEP"] = f"instance-start/{step}"
+    stack.start_service("instance_manager")
+    stack.wait_ready(("instance_manager",))
+    client.timeout = 2.0
+    try:
+        await client.instance("start", silo, proj, name)
+    except CommandError:
+        pass  # the process died under the request
+    finally:
+        client.timeout = 15.0
+    await eventually(lambda: _dead(stack), timeout=15)
+
+    del stack.env["RACKPLANE_CRASH_BEFORE_STEP"]
+    stack.start_service("instance_manager")
+    stack.wait_ready(("instance_manager",))
+    await wait_state(client, silo, proj, name, "running", timeout=20)
+    await assert_invariants(db)
+
+
+async def _dead(stack: Stack) -> bool:
+    return not stack.services["instance_manager"].alive
+
+
+async def test_an_unwinding_saga_finishes_unwinding_after_a_crash(
+    crashy: tuple[Stack, Client, asyncpg.Pool],
+) -> None:
+    stack, client, db = crashy
+    silo, proj, name = "crash-unwind", "p", "vm"
+    await client.silo_create(silo, Quota(vcpus=1))
+    await client.project_create(silo, proj)
+    await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
+
+    stack.services["instance_manager"].stop()
+    stack.env["RACKPLANE_CRASH_BEFORE_STEP"] = "instance-start/undo:interlock"
+    stack.start_service("instance_manager")
+    stack.wait_ready(("instance_manager",))
+    client.timeout = 2.0
+    try:
+        await client.instance("start", silo, proj, name)  # refused by the quota: the saga unwinds
+    except CommandError:
+        pass
+    finally:
+        client.timeout = 15.0
+    await eventually(lambda: _dead(stack), timeout=15)
+
+    del stack.env["RACKPLANE_CRASH_BEFORE_STEP"]
+    stack.start_service("instance_manager")
+    stack.wait_ready(("instance_manager",))
+    stopped = await wait_state(client, silo, proj, name, "stopped", timeout=20)
+    assert "vCPU quota exceeded" in stopped["last_error"]
+    await assert_invariants(db)
