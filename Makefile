@@ -5,9 +5,9 @@ BIN    := $(VENV)/bin
 
 .PHONY: install run test lint chaos bench clean
 
-$(BIN)/.installed: pyproject.toml requirements.lock
+$(BIN)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.lock
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.lock -r requirements-dev.lock
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncpg
 
-CHARGED_STATES = ("starting", "running", "stopping", "migrating")
+from shared.messages import CHARGED_STATES
 
 
 async def totals_match_ledger(conn: asyncpg.Connection) -> list[str]:

@@ -146,6 +146,7 @@ class Consumer:
         max_deliver: int = 8,
         ack_wait: float = 30.0,
         batch: int = 64,
+        verify: Callable[[str, Any], str | None] | None = None,
     ) -> None:
         self.js = js
         self.service = service
@@ -157,6 +158,8 @@ class Consumer:
         self.max_deliver = max_deliver
         self.ack_wait = ack_wait
         self.batch = batch
+        self.verify = verify
+        """Checks a valid message against its subject; a reason means it is dead-lettered unhandled."""
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         config = api.ConsumerConfig(
@@ -196,6 +199,9 @@ class Consumer:
             env, body = decode(msg.data, self.expect)
         except BadMessage as e:
             await self._dead_letter(msg, f"{e.code}: {e.reason}")
+            return
+        if self.verify is not None and (refused := self.verify(msg.subject, body)):
+            await self._dead_letter(msg, refused)
             return
         try:
             with telemetry.span(
@@ -275,6 +281,8 @@ async def serve(
     async def answer(msg: Msg) -> None:
         try:
             env, body = decode(msg.data, expect)
+            if wrong_subject := subjects.command_error(msg.subject, env.schema_):
+                raise CommandError("forbidden", wrong_subject)
             if check_silo:
                 named = getattr(body, "silo", None) or subjects.FLEET
                 token = subjects.silo_of(msg.subject)

@@ -165,7 +165,3 @@ class OutboxRelay:
             await conn.execute(q["delete"], [r["seq"] for r in rows])
         telemetry.count("outbox.published", len(rows))
         return len(rows)
-
-
-def row(record: asyncpg.Record | None) -> dict[str, Any] | None:
-    return dict(record) if record is not None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -136,6 +136,12 @@ class InstanceState(StrEnum):
     migrating = "migrating"
     failed = "failed"
     destroyed = "destroyed"
+
+
+CHARGED_STATES = frozenset(
+    {InstanceState.starting, InstanceState.running, InstanceState.stopping, InstanceState.migrating}
+)
+"""An instance in one of these states has a live VMM, and so holds a vCPU/RAM charge."""
 
 
 class VmmState(StrEnum):
@@ -431,9 +437,6 @@ class Reply(BaseModel):
     ok: bool
     data: Any = None
     error: dict[str, str] | None = None
-
-
-Kind = Literal["cmd", "evt"]
 
 
 @message("rp.svc.stats")

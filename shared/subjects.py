@@ -64,6 +64,28 @@ def sim_control(verb: str) -> str:
     return f"rp.sim.{verb}"
 
 
+def sled_claim_error(subject: str, body: object) -> str | None:
+    """A sled speaks only for itself: a report naming another sled than its subject's is refused, so that
+    permissions confining a sled agent to `rp.sled.<id>.>` cannot be bypassed through the body."""
+    token = subject.split(".")[2]
+    claimed = getattr(body, "sled_id", token)
+    return (
+        None
+        if claimed == token
+        else f"forbidden: report for sled {claimed!r} sent on the subject of {token!r}"
+    )
+
+
+def command_error(subject: str, schema: str) -> str | None:
+    """A command travels on its own subject (`rp.cmd.<silo>.<resource>.<verb>` for schema
+    `rp.cmd.<resource>.<verb>`), so that permissions granted per verb cannot be bypassed."""
+    if not schema.startswith("rp.cmd."):
+        return None
+    verb = ".".join(subject.split(".")[3:])
+    wanted = schema.removeprefix("rp.cmd.")
+    return None if verb == wanted else f"{schema} sent on {subject}: it belongs on rp.cmd.<silo>.{wanted}"
+
+
 def silo_of(subject: str) -> str:
     """The silo token of a command or event subject."""
     return subject.split(".")[2]

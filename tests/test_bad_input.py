@@ -168,3 +168,43 @@ async def test_services_go_on_serving_after_bad_input(
     await wait_state(client, silo, proj, "after", "running")  # reports still flow, commands still answered
     await client.instance("stop", silo, proj, "after")
     await wait_state(client, silo, proj, "after", "stopped")
+
+
+async def test_a_command_on_another_verbs_subject_is_refused(
+    client: Client, project: tuple[str, str]
+) -> None:
+    """Permissions are granted per subject: a delete body sent on the `show` subject must not delete."""
+    silo, proj = project
+    await client.instance_create(silo, proj, "keep", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+    payload = raw_envelope("rp.cmd.instance.delete", 1, {"silo": silo, "project": proj, "name": "keep"})
+    reply = await raw_request(client, subjects.command(silo, "instance", "show"), payload)
+    assert not reply.ok and reply.error is not None
+    assert reply.error["code"] == "forbidden" and "belongs on" in reply.error["message"]
+    assert (await client.instance("show", silo, proj, "keep"))["state"] == "stopped"
+
+
+async def test_a_sled_cannot_report_for_another_sled(client: Client) -> None:
+    js = client.nc.jetstream()
+    report = raw_envelope(
+        "rp.sled.vmm.report",
+        1,
+        {
+            "sled_id": "sled-2",
+            "boot_id": str(uuid.uuid4()),
+            "vmm_id": str(uuid.uuid4()),
+            "instance_id": str(uuid.uuid4()),
+            "state": "stopped",
+            "generation": 9,
+        },
+    )
+    await js.publish(subjects.sled_report("sled-3", "vmm"), report, headers={MSG_ID: str(uuid.uuid4())})
+
+    async def parked() -> Any:
+        entry = await dead_letter(client, "instance-manager", "instance-manager-vmm-reports")
+        return entry if entry.data == report else None
+
+    entry = await eventually(parked)
+    assert (
+        entry.headers["Rp-Dlq-Reason"]
+        == "forbidden: report for sled 'sled-2' sent on the subject of 'sled-3'"
+    )

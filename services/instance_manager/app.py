@@ -23,9 +23,6 @@ log = logging.getLogger(__name__)
 SOURCE = "instance-manager"
 Q = queries(Path(__file__).parent / "queries.sql")
 
-CHARGED_STATES = frozenset({"starting", "running", "stopping", "migrating"})
-"""An instance in one of these states has a VMM, and so holds a vCPU/RAM charge."""
-
 
 @dataclass
 class App:

@@ -186,5 +186,5 @@ class Commands:
     # --- sleds ---
 
     async def sled_list(self, body: SledList, msg: Msg) -> list[dict[str, Any]]:
-        rows = await self.app.pool.fetch(Q["sled_list"])
+        rows = await self.app.pool.fetch(Q["sled_list"], None)
         return [{**dict(r), "boot_id": str(r["boot_id"]) if r["boot_id"] else None} for r in rows]

@@ -10,8 +10,8 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle
-from services.instance_manager.app import SOURCE, App, Q
+from services.instance_manager import lifecycle, sleds
+from services.instance_manager.app import SOURCE, App
 from services.instance_manager.commands import Commands
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.start_saga import START
@@ -58,7 +58,7 @@ def consumers(app: App) -> list[bus.Consumer]:
         app.relay.kick()
 
     async def on_inventory(env: Envelope, inv: SledInventory, msg: Msg) -> None:
-        await app.pool.execute(Q["sled_upsert"], inv.sled_id, inv.boot_id, inv.vcpus, inv.ram_bytes)
+        await sleds.apply_inventory(app, inv)
 
     async def on_outcome(env: Envelope, outcome: ProvisionOutcome, msg: Msg) -> None:
         await app.record_outcome(outcome)
@@ -73,6 +73,7 @@ def consumers(app: App) -> list[bus.Consumer]:
             filter_subject=subjects.sled_report("*", "vmm"),
             handler=on_report,
             expect=VmmReport,
+            verify=subjects.sled_claim_error,
         ),
         bus.Consumer(
             app.js,
@@ -81,6 +82,7 @@ def consumers(app: App) -> list[bus.Consumer]:
             durable="instance-manager-inventory",
             filter_subject=subjects.sled_report("*", "inventory"),
             handler=on_inventory,
+            verify=subjects.sled_claim_error,
             expect=SledInventory,
         ),
         bus.Consumer(

@@ -121,17 +121,20 @@ UPDATE vmms SET state = $2, generation = $3,
 WHERE id = $1 AND generation < $3 AND ended_at IS NULL
 RETURNING id, instance_id, sled_id, vcpus, ram_bytes;
 
+-- name: sled_lock
+SELECT boot_id FROM sleds WHERE id = $1 FOR UPDATE;
+
 -- name: sled_upsert
--- A sled makes itself known through its inventory.
+-- A sled makes itself known, and tells its boot id, through its inventory.
 INSERT INTO sleds (id, boot_id, vcpus, ram_bytes, last_seen_at) VALUES ($1, $2, $3, $4, now())
 ON CONFLICT (id) DO UPDATE
-SET boot_id = EXCLUDED.boot_id, vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, last_seen_at = now()
-RETURNING (xmax = 0) AS inserted;
+SET boot_id = EXCLUDED.boot_id, vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, last_seen_at = now();
 
 -- name: sled_list
+-- Every sled ($1 NULL), or one.
 SELECT s.id, s.state, s.boot_id, s.vcpus, s.ram_bytes, s.reserved_vcpus, s.reserved_ram_bytes,
        s.last_seen_at, (SELECT count(*) FROM vmms v WHERE v.sled_id = s.id AND v.ended_at IS NULL) AS vmms
-FROM sleds s ORDER BY s.id;
+FROM sleds s WHERE $1::text IS NULL OR s.id = $1 ORDER BY s.id;
 
 -- name: outcome_insert
 INSERT INTO charge_outcomes (instance_id, generation, outcome, reason) VALUES ($1, $2, $3, $4)

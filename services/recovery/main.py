@@ -93,6 +93,7 @@ async def main(settings: Settings) -> None:
             durable="recovery-inventory",
             filter_subject=subjects.sled_report("*", "inventory"),
             handler=on_inventory,
+            verify=subjects.sled_claim_error,
             expect=SledInventory,
         ).run(),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -27,9 +28,12 @@ def sleds_from_env(js: Any) -> list[Sled]:
         stop_delay=env_float("RACKPLANE_VMM_STOP_DELAY", 0.1),
         report_retry=env_float("RACKPLANE_REPORT_RETRY", 1.0),
     )
-    vcpus = env_int("RACKPLANE_SLED_VCPUS", 64)
-    ram = env_int("RACKPLANE_SLED_RAM_GIB", 256) * GiB
-    return [Sled(f"sled-{i}", vcpus, ram, js, timing) for i in range(count)]
+    default = f"{env_int('RACKPLANE_SLED_VCPUS', 64)}:{env_int('RACKPLANE_SLED_RAM_GIB', 256)}"
+    shapes = [shape.split(":") for shape in os.environ.get("RACKPLANE_SLED_SHAPES", default).split(",")]
+    return [
+        Sled(f"sled-{i}", int(shapes[i % len(shapes)][0]), int(shapes[i % len(shapes)][1]) * GiB, js, timing)
+        for i in range(count)
+    ]
 
 
 async def command_loop(js: Any, sled: Sled) -> None:

