@@ -51,6 +51,7 @@ def stack() -> Iterator[Stack]:
         s.stop()
         if os.environ.get("RACKPLANE_KEEP_LOGS") is None:
             shutil.rmtree(s.dir, ignore_errors=True)
+            traces.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

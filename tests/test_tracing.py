@@ -1,0 +1,60 @@
+"""One trace follows a start from the `rackctl` command through every service, carried as W3C trace
+context in NATS headers, in sagas and in outbox rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from deploy.stack import Stack
+from rackctl.client import Client
+from tests.conftest import GiB, eventually
+
+
+EVERY_SERVICE = {"rackctl", "instance-manager", "accounting", "sled-agent", "recovery"}
+
+
+def spans(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def test_one_trace_spans_a_start_from_the_cli_through_every_service(
+    stack: Stack, client: Client, project: tuple[str, str]
+) -> None:
+    silo, proj = project
+    await client.instance_create(silo, proj, "traced", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+    traces = stack.env["RACKPLANE_TRACES"]
+    path = Path(traces.removeprefix("file:"))
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "rackctl.main", "instance", "start", f"{silo}/{proj}/traced", "--wait"],
+        env={**os.environ, "NATS_URL": stack.nats_url or "", "RACKPLANE_TRACES": traces},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 0, cli.stderr
+
+    roots = [s for s in spans(path) if s["service"] == "rackctl" and s["parent_id"] is None]
+    assert roots, "the CLI exported no root span"
+    trace_id = roots[-1]["trace_id"]
+
+    async def every_service_joined() -> set[str]:
+        joined = {s["service"] for s in spans(path) if s["trace_id"] == trace_id}
+        return (
+            joined
+            if joined >= {"rackctl", "instance-manager", "accounting", "sled-agent", "recovery"}
+            else set()
+        )
+
+    joined = await eventually(every_service_joined, timeout=10)
+    assert joined >= {"rackctl", "instance-manager", "accounting", "sled-agent", "recovery"}
+    in_trace = [s for s in spans(path) if s["trace_id"] == trace_id]
+    names = {s["name"] for s in in_trace}
+    assert any(n.startswith("saga instance-start charge") for n in names)
+    assert any(n.startswith("process rp.acct.delta.") for n in names)
+    assert any(n.startswith("process rp.sled.") and ".cmd.vmm.ensure" in n for n in names)
