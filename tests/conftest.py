@@ -41,9 +41,8 @@ def make_stack(name: str, **env: str) -> Stack:
 
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
-    s = make_stack(
-        "session", RACKPLANE_TRACES=f"file:{tempfile.gettempdir()}/rackplane-traces-{os.getpid()}.jsonl"
-    )
+    traces = Path(tempfile.gettempdir()) / f"rackplane-traces-{os.getpid()}.jsonl"
+    s = make_stack("session", RACKPLANE_TRACES=f"file:{traces}")
     try:
         s.start()
         yield s
