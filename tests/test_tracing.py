@@ -14,7 +14,6 @@ from deploy.stack import Stack
 from rackctl.client import Client
 from tests.conftest import GiB, eventually
 
-
 EVERY_SERVICE = {"rackctl", "instance-manager", "accounting", "sled-agent", "recovery"}
 
 
