@@ -3,9 +3,9 @@ context in NATS headers, in sagas and in outbox rows."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,14 +29,19 @@ async def test_one_trace_spans_a_start_from_the_cli_through_every_service(
     traces = stack.env["RACKPLANE_TRACES"]
     path = Path(traces.removeprefix("file:"))
 
-    cli = subprocess.run(
-        [sys.executable, "-m", "rackctl.main", "instance", "start", f"{silo}/{proj}/traced", "--wait"],
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "rackctl.main",
+        "instance",
+        "start",
+        f"{silo}/{proj}/traced",
+        "--wait",
         env={**os.environ, "NATS_URL": stack.nats_url or "", "RACKPLANE_TRACES": traces},
-        capture_output=True,
-        text=True,
-        timeout=60,
+        stderr=asyncio.subprocess.PIPE,
     )
-    assert cli.returncode == 0, cli.stderr
+    _, stderr = await asyncio.wait_for(cli.communicate(), 60)
+    assert cli.returncode == 0, stderr.decode()
 
     roots = [s for s in spans(path) if s["service"] == "rackctl" and s["parent_id"] is None]
     assert roots, "the CLI exported no root span"
