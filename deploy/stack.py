@@ -289,6 +289,7 @@ class Stack:
         assert self.nats_url and self.database_url
         return {
             **os.environ,
+            "RACKPLANE_SIM_STATE": str(self.dir / "sim"),  # sleds outlive a restart of the simulator
             **self.env,
             "NATS_URL": self.nats_url,
             "DATABASE_URL": self.database_url,
@@ -296,9 +297,11 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def start_service(self, name: str) -> Service:
-        svc = Service(name, self.service_env(), self.dir / f"{name}.log").start()
-        self.services[name] = svc
+    def start_service(self, name: str, replica: str | None = None) -> Service:
+        """Start a service; `replica` names a second (third...) process of the same service."""
+        key = replica or name
+        svc = Service(name, self.service_env(), self.dir / f"{key}.log").start()
+        self.services[key] = svc
         return svc
 
     def start(self, wait: bool = True) -> Stack:

@@ -24,6 +24,13 @@ from shared.messages import (
     SiloCreate,
     SiloList,
     SimFaults,
+    SimSledAdd,
+    SimSledFreeze,
+    SimSledList,
+    SimSledReboot,
+    SimSledRemove,
+    SimSledThaw,
+    SledExpunge,
     SledList,
     StatsGet,
     UsageGet,
@@ -38,9 +45,11 @@ class Client:
         self.timeout = timeout
 
     @classmethod
-    async def connect(cls, url: str | None = None, timeout: float = 15.0) -> Client:
+    async def connect(
+        cls, url: str | None = None, timeout: float = 15.0, connect_within: float = 2.0
+    ) -> Client:
         url = url or os.environ.get("NATS_URL", DEFAULT_NATS_URL)
-        return cls(await bus.connect(url, SOURCE, retry_for=2.0), timeout)
+        return cls(await bus.connect(url, SOURCE, retry_for=connect_within), timeout)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -114,6 +123,18 @@ class Client:
 
     async def usage(self, silo: str | None = None, project: str | None = None) -> Any:
         return await self.call(subjects.command(silo, "usage", "get"), UsageGet(silo=silo, project=project))
+
+    async def sled_expunge(self, sled_id: str) -> Any:
+        return await self.call(subjects.command(None, "sled", "expunge"), SledExpunge(sled_id=sled_id))
+
+    async def sim_sled(self, verb: str, sled_id: str | None = None, **shape: int) -> Any:
+        """Drive the simulator: list, add (vcpus=, ram_bytes=), reboot, freeze, thaw or remove a sled."""
+        model: type[Model] = {
+            "list": SimSledList, "add": SimSledAdd, "reboot": SimSledReboot, "freeze": SimSledFreeze,
+            "thaw": SimSledThaw, "remove": SimSledRemove,
+        }[verb]  # fmt: skip
+        body = model(**shape) if verb in ("list", "add") else model(sled_id=sled_id)
+        return await self.call(subjects.sim_control(f"sled.{verb}"), body)
 
     async def stats(self, service: str) -> Any:
         return await self.call(subjects.stats(service), StatsGet())

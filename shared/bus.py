@@ -62,9 +62,14 @@ class Retry(Exception):
 
 
 async def connect(url: str, name: str, *, retry_for: float = 30.0) -> NATS:
-    """Connect, waiting up to `retry_for` seconds for the broker to come up; reconnect forever after."""
+    """Connect, waiting up to `retry_for` seconds for the broker to come up; reconnect forever after.
+
+    (nats-py retries a first connection forever when reconnects are unlimited, so the wait is bounded here.)
+    """
+    last_error: list[Exception] = []
 
     async def on_error(e: Exception) -> None:
+        last_error[:] = [e]
         log.warning("%s: nats error: %s", name, e)
 
     async def on_disconnect() -> None:
@@ -73,10 +78,9 @@ async def connect(url: str, name: str, *, retry_for: float = 30.0) -> NATS:
     async def on_reconnect() -> None:
         log.info("%s: reconnected to nats", name)
 
-    deadline = asyncio.get_running_loop().time() + retry_for
-    while True:
-        try:
-            return await nats.connect(
+    try:
+        return await asyncio.wait_for(
+            nats.connect(
                 url,
                 name=name,
                 max_reconnect_attempts=-1,
@@ -85,11 +89,12 @@ async def connect(url: str, name: str, *, retry_for: float = 30.0) -> NATS:
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
-            )
-        except (OSError, nats.errors.Error) as e:
-            if asyncio.get_running_loop().time() > deadline:
-                raise ConnectionError(f"cannot reach nats at {url}: {e}") from e
-            await asyncio.sleep(0.25)
+            ),
+            retry_for,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as e:
+        why = last_error[0] if last_error else e
+        raise ConnectionError(f"cannot reach nats at {url} within {retry_for:g}s: {why}") from None
 
 
 async def ensure_streams(js: JetStreamContext) -> None:

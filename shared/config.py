@@ -40,3 +40,22 @@ def setup_logging(service: str, level: str) -> None:
         level=level.upper(),
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
+
+
+# Recovery's timing: one definition, read by recovery (which acts on it) and by instance-manager (which
+# shows it: an instance's health and its next automatic restart).
+
+
+def restart_cooldown() -> float:
+    """Seconds between automatic restarts of one instance, counted from the last one: stops crash loops."""
+    return env_float("RACKPLANE_RESTART_COOLDOWN", 60.0)
+
+
+def sled_unknown_after() -> float:
+    """Seconds of silence after which a sled's instances are shown with health `unknown` (never failed)."""
+    return env_float("RACKPLANE_SLED_UNKNOWN_AFTER", 3 * env_float("RACKPLANE_INVENTORY_INTERVAL", 5.0))
+
+
+def transition_timeout() -> float:
+    """Seconds an instance may stay starting or stopping before recovery checks it against its sled."""
+    return env_float("RACKPLANE_TRANSITION_TIMEOUT", 60.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -174,6 +174,8 @@ class VmmEnsure(Model):
     instance_id: uuid.UUID
     vcpus: PositiveInt
     ram_bytes: PositiveInt
+    boot_id: uuid.UUID | None = None
+    """The sled's boot id when the VMM was placed: a sled that has rebooted since fails the VMM at once."""
 
 
 @message("rp.sled.vmm.stop")
@@ -301,10 +303,19 @@ class InstanceView(Model):
     disk_bytes: int
     auto_restart: AutoRestart
     state: InstanceState
+    intended_state: Literal["running", "stopped"]
     generation: int
     active_vmm_id: uuid.UUID | None
     sled_id: str | None
+    vmm_boot_id: uuid.UUID | None
+    """The boot of its sled that the active VMM was placed on: it cannot outlive that boot."""
+    health: Literal["ok", "unknown", "failed"]
+    """`unknown`: its sled has gone quiet. Such an instance is neither failed nor restarted."""
     last_error: str | None = None
+    failed_at: datetime | None = None
+    auto_restarts: int = 0
+    last_auto_restart_at: datetime | None = None
+    next_restart_at: datetime | None = None
     updated_at: datetime
 
 
@@ -403,6 +414,40 @@ class SledList(Model):
     pass
 
 
+@message("rp.cmd.sled.expunge")
+class SledExpunge(Model):
+    """The sled is gone for good: never placed on again; its instances fail (and restart by policy)."""
+
+    sled_id: Name
+
+
+# --- recovery's commands to instance-manager (request/reply, fleet subjects) -------------------------
+
+
+@message("rp.cmd.vmm.lost")
+class VmmLost(Model):
+    """This VMM runs nowhere any more (its sled rebooted, or it never answered in time)."""
+
+    vmm_id: uuid.UUID
+    reason: Annotated[str, Field(min_length=1, max_length=500)]
+
+
+@message("rp.cmd.instance.restart")
+class InstanceRestart(Model):
+    """Start a failed instance again, by its auto-restart policy, unless it changed since `generation`."""
+
+    instance_id: uuid.UUID
+    generation: Generation
+
+
+@message("rp.cmd.instance.settle")
+class InstanceSettle(Model):
+    """Bring a failed instance that will not be restarted to stopped, unless it changed since `generation`."""
+
+    instance_id: uuid.UUID
+    generation: Generation
+
+
 @message("rp.cmd.usage.get")
 class UsageGet(Model):
     silo: Name | None = None
@@ -429,6 +474,45 @@ class SimFaults(Model):
     delay_count: Annotated[int, Field(ge=0, le=1000)] = 0
     duplicate: Annotated[int, Field(ge=0, le=10)] = 0
     drop_probability: Annotated[float, Field(ge=0, le=1)] = 0
+    drop_commands: bool = False
+    """Take commands off the stream but do nothing with them: a sled that never answers a start or stop."""
+    fail_starts: bool = False
+    """Every VMM that boots fails at once instead of running: a crash loop."""
+
+
+@message("rp.sim.sled.list")
+class SimSledList(Model):
+    pass
+
+
+class SimSledRef(Model):
+    sled_id: Name
+
+
+@message("rp.sim.sled.reboot")
+class SimSledReboot(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.freeze")
+class SimSledFreeze(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.thaw")
+class SimSledThaw(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.remove")
+class SimSledRemove(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.add")
+class SimSledAdd(Model):
+    vcpus: Annotated[int, Field(ge=1, le=4096)] = 64
+    ram_bytes: Annotated[int, Field(ge=2**30, le=2**46)] = 256 * 2**30
 
 
 class Reply(BaseModel):

@@ -77,13 +77,21 @@ def sled_claim_error(subject: str, body: object) -> str | None:
 
 
 def command_error(subject: str, schema: str) -> str | None:
-    """A command travels on its own subject (`rp.cmd.<silo>.<resource>.<verb>` for schema
-    `rp.cmd.<resource>.<verb>`), so that permissions granted per verb cannot be bypassed."""
-    if not schema.startswith("rp.cmd."):
+    """A command travels on its own subject, so that permissions granted per verb cannot be bypassed:
+    schema `rp.cmd.<resource>.<verb>` on `rp.cmd.<silo>.<resource>.<verb>`, schema `rp.sled.vmm.<verb>` on
+    `rp.sled.<sled>.cmd.vmm.<verb>`, schema `rp.sim.<verb>` on `rp.sim.<verb>` itself."""
+    tokens = subject.split(".")
+    if schema.startswith("rp.cmd."):
+        wanted, where = schema.removeprefix("rp.cmd."), "rp.cmd.<silo>."
+        got = ".".join(tokens[3:])
+    elif schema.startswith("rp.sled.vmm.") and tokens[3:4] == ["cmd"]:
+        wanted, where = schema.removeprefix("rp.sled."), "rp.sled.<sled>.cmd."
+        got = ".".join(tokens[4:])
+    elif schema.startswith("rp.sim."):
+        wanted, where, got = schema, "", subject
+    else:
         return None
-    verb = ".".join(subject.split(".")[3:])
-    wanted = schema.removeprefix("rp.cmd.")
-    return None if verb == wanted else f"{schema} sent on {subject}: it belongs on rp.cmd.<silo>.{wanted}"
+    return None if got == wanted else f"{schema} sent on {subject}: it belongs on {where}{wanted}"
 
 
 def silo_of(subject: str) -> str:

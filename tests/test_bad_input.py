@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from nats.js.errors import NotFoundError
 
 from rackctl.client import Client
 from shared import subjects
@@ -75,8 +76,12 @@ async def test_bad_commands_get_a_clear_error_reply(
 
 
 async def dead_letter(client: Client, service: str, consumer: str) -> Any:
+    """The consumer's newest dead letter, or None while it has none."""
     js = client.nc.jetstream()
-    return await js.get_last_msg(subjects.DLQ_STREAM, subjects.dead_letter(service, consumer))
+    try:
+        return await js.get_last_msg(subjects.DLQ_STREAM, subjects.dead_letter(service, consumer))
+    except NotFoundError:
+        return None
 
 
 @pytest.mark.parametrize(
@@ -147,7 +152,7 @@ async def test_a_bad_delta_is_dead_lettered(client: Client) -> None:
 
     async def parked() -> Any:
         entry = await dead_letter(client, "accounting", "accounting-deltas")
-        return entry if entry.data == payload else None
+        return entry if entry is not None and entry.data == payload else None
 
     entry = await eventually(parked)
     assert entry.headers["Rp-Dlq-Reason"].startswith("invalid: rp.acct.delta v1")
@@ -201,10 +206,36 @@ async def test_a_sled_cannot_report_for_another_sled(client: Client) -> None:
 
     async def parked() -> Any:
         entry = await dead_letter(client, "instance-manager", "instance-manager-vmm-reports")
-        return entry if entry.data == report else None
+        return entry if entry is not None and entry.data == report else None
 
     entry = await eventually(parked)
     assert (
         entry.headers["Rp-Dlq-Reason"]
         == "forbidden: report for sled 'sled-2' sent on the subject of 'sled-3'"
     )
+
+
+async def test_a_sled_command_on_another_verbs_subject_is_dead_lettered(client: Client) -> None:
+    """A client allowed only `rp.sled.*.cmd.vmm.destroy` cannot start a VMM by sending an ensure there."""
+    js = client.nc.jetstream()
+    ensure = raw_envelope(
+        "rp.sled.vmm.ensure",
+        1,
+        {"vmm_id": str(uuid.uuid4()), "instance_id": str(uuid.uuid4()), "vcpus": 1, "ram_bytes": GiB},
+    )
+    await js.publish(
+        subjects.sled_command("sled-4", "vmm.destroy"), ensure, headers={MSG_ID: str(uuid.uuid4())}
+    )
+
+    async def parked() -> Any:
+        entry = await dead_letter(client, "sled-agent", "sled-agent-sled-4")
+        return entry if entry is not None and entry.data == ensure else None
+
+    entry = await eventually(parked)
+    assert "it belongs on rp.sled.<sled>.cmd.vmm.ensure" in entry.headers["Rp-Dlq-Reason"]
+
+
+async def test_a_simulator_request_on_another_verbs_subject_is_refused(client: Client) -> None:
+    reboot = raw_envelope("rp.sim.sled.reboot", 1, {"sled_id": "sled-5"})
+    reply = await raw_request(client, subjects.sim_control("sled.list"), reboot)
+    assert not reply.ok and reply.error is not None and reply.error["code"] == "forbidden"

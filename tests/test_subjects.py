@@ -1,11 +1,14 @@
-"""docs/subjects.md stays true to the code: every stream, subject pattern and schema is documented."""
+"""docs/subjects.md stays true to the code: every stream, subject pattern, schema, schema field and durable
+consumer is documented."""
 
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from shared import subjects
 from shared.messages import registry
@@ -34,6 +37,58 @@ def test_every_stream_and_its_subjects_are_documented(doc: str, stream: str) -> 
 def test_every_schema_is_documented(doc: str) -> None:
     missing = sorted(f"{name} v{version}" for name, version in registry() if f"`{name}`" not in doc)
     assert not missing, f"schemas missing from {DOC.name}: {missing}"
+
+
+def _fields(model: type[BaseModel], seen: set[type[BaseModel]]) -> set[str]:
+    """The field names of a model and of every model nested in it (lists and optionals included)."""
+    if model in seen:
+        return set()
+    seen.add(model)
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        names.add(info.alias or name)
+        stack: list[typing.Any] = [info.annotation]
+        while stack:
+            t = stack.pop()
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                names |= _fields(t, seen)
+            stack.extend(typing.get_args(t))
+    return names
+
+
+def test_every_schema_field_is_documented(doc: str) -> None:
+    missing = sorted(
+        f"{name}.{field}"
+        for (name, _), model in registry().items()
+        for field in _fields(model, set())
+        if f"`{field}`" not in doc
+    )
+    assert not missing, f"schema fields missing from {DOC.name}: {missing}"
+
+
+def test_every_command_subject_is_documented(doc: str) -> None:
+    """Each `rp.cmd.<resource>.<verb>` schema has its subject `rp.cmd.<silo>.<resource>.<verb>` documented."""
+    commands = sorted(name for name, _ in registry() if name.startswith("rp.cmd."))
+    assert commands
+    missing = [
+        name
+        for name in commands
+        if not re.search(r"`rp\.cmd\.[^.`]+\." + re.escape(name.removeprefix("rp.cmd.")) + "`", doc)
+    ]
+    assert not missing, f"command subjects missing from {DOC.name}: {missing}"
+
+
+def test_every_durable_consumer_is_documented(doc: str) -> None:
+    """Durable names in the services (an f-string's `{...}` stands for a documented `<token>`)."""
+    code = "\n".join(p.read_text() for p in sorted((ROOT / "services").rglob("*.py")))
+    durables = set(re.findall(r"durable=(f?\"[^\"]+\")", code))
+    assert {'"recovery-sleds"', 'f"sled-agent-{sled.sled_id}"'} <= durables  # the pattern still matches
+    missing = []
+    for d in sorted(durables):
+        pattern = re.sub(r"\\\{[^}]*\\\}", "<[a-z_]+>", re.escape(d.removeprefix("f").strip('"')))
+        if not re.search(f"`{pattern}`", doc):
+            missing.append(d)
+    assert not missing, f"durable consumers missing from {DOC.name}: {missing}"
 
 
 def test_every_error_code_is_documented(doc: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle
+from services.instance_manager import lifecycle, sleds
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.start_saga import START, AlreadyRunning
@@ -20,6 +20,8 @@ from shared.messages import (
     InstanceDelete,
     InstanceList,
     InstanceRef,
+    InstanceRestart,
+    InstanceSettle,
     InstanceShow,
     InstanceStart,
     InstanceStop,
@@ -29,7 +31,9 @@ from shared.messages import (
     SiloCreate,
     SiloCreated,
     SiloList,
+    SledExpunge,
     SledList,
+    VmmLost,
 )
 
 SAGA_REPLY_WAIT = 10.0
@@ -65,10 +69,18 @@ class Commands:
                 InstanceDelete: self.instance_delete,
                 InstanceShow: self.instance_show,
                 InstanceList: self.instance_list,
+                InstanceRestart: self.instance_restart,
+                InstanceSettle: self.instance_settle,
             },
             queue=q,
         )
-        await bus.serve(nc, subjects.command_pattern("sled"), {SledList: self.sled_list}, queue=q)
+        await bus.serve(
+            nc,
+            subjects.command_pattern("sled"),
+            {SledList: self.sled_list, SledExpunge: self.sled_expunge},
+            queue=q,
+        )
+        await bus.serve(nc, subjects.command_pattern("vmm"), {VmmLost: self.vmm_lost}, queue=q)
 
     # --- silos and projects ---
 
@@ -183,7 +195,40 @@ class Commands:
             ids = await conn.fetch(Q["instance_list"], body.silo, body.project)
             return [instance_reply(await self.app.view(conn, r["id"])) for r in ids]
 
+    # --- recovery's commands ---
+
+    async def instance_restart(self, body: InstanceRestart, msg: Msg) -> dict[str, Any]:
+        params = {"instance_id": str(body.instance_id), "expected_generation": body.generation}
+        async with self.app.pool.acquire() as conn:
+            try:
+                async with conn.transaction():
+                    saga_id = await self.app.sagas.begin(conn, START, params)
+            except AlreadyRunning:
+                raise bus.Conflict("instance is already running") from None
+        self.app.relay.kick()
+        self.app.sagas.launch(saga_id)
+        return {"saga_id": str(saga_id)}
+
+    async def instance_settle(self, body: InstanceSettle, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            if not await lifecycle.settle(self.app, conn, body.instance_id, body.generation):
+                raise bus.Conflict(f"instance is not failed at generation {body.generation}")
+        self.app.relay.kick()
+        return {"settled": True}
+
+    async def vmm_lost(self, body: VmmLost, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            result = await lifecycle.fail_vmm(self.app, conn, body.vmm_id, body.reason)
+        self.app.relay.kick()
+        return {"result": result}
+
     # --- sleds ---
+
+    async def sled_expunge(self, body: SledExpunge, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            failed = await lifecycle.expunge(self.app, conn, body.sled_id)
+            sled = await sleds.announce(self.app, conn, body.sled_id, "expunged")
+        return {**sled.model_dump(mode="json"), "vmms_failed": failed}
 
     async def sled_list(self, body: SledList, msg: Msg) -> list[dict[str, Any]]:
         rows = await self.app.pool.fetch(Q["sled_list"], None)

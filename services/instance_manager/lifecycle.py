@@ -11,7 +11,7 @@ import asyncpg
 from services.instance_manager.app import SOURCE, App, Q
 from shared import bus, subjects, telemetry
 from shared.db import enqueue
-from shared.messages import InstanceView, VmmReport, VmmState, VmmStop
+from shared.messages import InstanceView, VmmDestroy, VmmReport, VmmState, VmmStop
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +78,67 @@ async def apply_vmm_report(app: App, report: VmmReport) -> str:
             await conn.execute(Q["instance_set_state"], inst["id"], "stopping", None)
             await app.instance_changed(conn, inst["id"])
         elif terminal:
-            new_state = "failed" if report.state is VmmState.failed else "stopped"
-            reason = (
-                f"VMM {report.vmm_id} {report.state.value} on {report.sled_id}"
-                if new_state == "failed"
-                else None
-            )
-            gen = await conn.fetchval(Q["instance_vmm_ended"], inst["id"], new_state, reason)
-            await app.release_charge(conn, inst["id"], gen)
-            await app.instance_changed(conn, inst["id"])
+            failed = report.state is not VmmState.stopped
+            reason = f"VMM {report.vmm_id} {report.state.value} on {report.sled_id}"
+            await _active_vmm_ended(app, conn, inst["id"], inst["state"], failed, reason)
         telemetry.count("reports.applied")
         return "applied"
+
+
+async def _active_vmm_ended(
+    app: App, conn: asyncpg.Connection, instance_id: uuid.UUID, state: str, failed: bool, reason: str
+) -> None:
+    """The instance's VMM is gone: it lets go of it and of its vCPU/RAM charge, and is stopped, or failed
+    if it did not mean to stop."""
+    new_state = "failed" if failed and state != "stopping" else "stopped"
+    gen = await conn.fetchval(
+        Q["instance_vmm_ended"], instance_id, new_state, reason if new_state == "failed" else None
+    )
+    await app.release_charge(conn, instance_id, gen)
+    await app.instance_changed(conn, instance_id)
+
+
+async def fail_vmm(app: App, conn: asyncpg.Connection, vmm_id: uuid.UUID, reason: str) -> str:
+    """A VMM runs nowhere any more (its sled rebooted or was expunged, or it never answered in time).
+
+    Idempotent: a VMM that has already ended is left alone. The sled is told to destroy it all the same,
+    in case it does still run somewhere (it would be a zombie).
+    """
+    vmm = await conn.fetchrow(Q["vmm_end"], vmm_id, "failed")
+    if vmm is None:
+        telemetry.count("vmms.lost_already_ended")
+        return "already ended"
+    await conn.execute(Q["unreserve"], vmm["sled_id"], vmm["vcpus"], vmm["ram_bytes"])
+    await enqueue(
+        conn,
+        subjects.sled_command(vmm["sled_id"], "vmm.destroy"),
+        VmmDestroy(vmm_id=vmm_id),
+        source=SOURCE,
+        key=f"destroy:{vmm_id}",
+    )
+    telemetry.count("vmms.lost")
+    inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
+    if inst["active_vmm_id"] != vmm_id:
+        return "detached"
+    await _active_vmm_ended(app, conn, inst["id"], inst["state"], True, reason)
+    return "failed"
+
+
+async def expunge(app: App, conn: asyncpg.Connection, sled_id: str) -> int:
+    """Take a sled out of the rack for good; fail every VMM it held. Returns how many."""
+    sled = await conn.fetchrow(Q["sled_lock"], sled_id)
+    if sled is None:
+        raise bus.NotFound(f"no sled {sled_id}")
+    await conn.execute(Q["sled_expunge"], sled_id)
+    vmms = await conn.fetch(Q["vmms_live_on_sled"], sled_id)
+    for v in vmms:
+        await fail_vmm(app, conn, v["id"], f"sled {sled_id} was expunged")
+    return len(vmms)
+
+
+async def settle(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID, generation: int) -> bool:
+    """A failed instance that will not be restarted comes to rest as stopped (unless it changed since)."""
+    if await conn.fetchval(Q["settle_failed"], instance_id, generation) is None:
+        return False
+    await app.instance_changed(conn, instance_id)
+    return True

@@ -24,14 +24,27 @@ INSERT INTO instances (id, project_id, name, vcpus, ram_bytes, disk_bytes, auto_
 VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating');
 
 -- name: instance_view
--- Everything a reply or an event says about an instance.
+-- Everything a reply or an event says about an instance. $2: seconds of sled silence after which its
+-- instances' health is unknown; $3: the automatic restart cooldown, in seconds.
 SELECT i.id, s.name AS silo, p.name AS project, i.name, s.id AS silo_id, p.id AS project_id,
-       i.vcpus, i.ram_bytes, i.disk_bytes, i.auto_restart, i.state, i.generation,
-       i.active_vmm_id, v.sled_id, i.last_error, i.updated_at
+       i.vcpus, i.ram_bytes, i.disk_bytes, i.auto_restart, i.state, i.intended_state, i.generation,
+       i.active_vmm_id, v.sled_id, v.boot_id AS vmm_boot_id, i.last_error, i.failed_at,
+       i.auto_restarts, i.last_auto_restart_at, i.updated_at,
+       CASE
+           WHEN i.state = 'failed' THEN 'failed'
+           WHEN v.id IS NOT NULL AND (sl.last_seen_at IS NULL
+                                      OR sl.last_seen_at < now() - make_interval(secs => $2)) THEN 'unknown'
+           ELSE 'ok'
+       END AS health,
+       CASE
+           WHEN i.state = 'failed' AND i.auto_restart = 'best_effort' AND i.intended_state = 'running'
+           THEN greatest(i.failed_at, i.last_auto_restart_at + make_interval(secs => $3))
+       END AS next_restart_at
 FROM instances i
 JOIN projects p ON p.id = i.project_id
 JOIN silos s ON s.id = p.silo_id
 LEFT JOIN vmms v ON v.id = i.active_vmm_id
+LEFT JOIN sleds sl ON sl.id = v.sled_id
 WHERE i.id = $1;
 
 -- name: instance_by_name
@@ -61,11 +74,16 @@ RETURNING generation;
 
 -- name: start_interlock
 -- The "one start at a time" interlock: a compare-and-set that only one of any number of concurrent
--- starts can win, because only one finds the instance stopped with no active VMM.
+-- starts can win, because only one finds the instance stopped with no active VMM. An automatic restart
+-- ($4) also names the generation it decided on ($3), so that it loses to anything a user did since.
 UPDATE instances
-SET state = 'starting', active_vmm_id = $2, intended_state = 'running', last_error = NULL,
+SET state = 'starting', active_vmm_id = $2, intended_state = 'running',
+    last_error = CASE WHEN $4 THEN last_error END,
+    auto_restarts = auto_restarts + CASE WHEN $4 THEN 1 ELSE 0 END,
+    last_auto_restart_at = CASE WHEN $4 THEN now() ELSE last_auto_restart_at END,
     generation = generation + 1, updated_at = now()
 WHERE id = $1 AND state IN ('stopped', 'failed') AND active_vmm_id IS NULL
+  AND ($3::bigint IS NULL OR (generation = $3 AND state = 'failed'))
 RETURNING generation, project_id, vcpus, ram_bytes, disk_bytes;
 
 -- name: start_interlock_release
@@ -97,14 +115,15 @@ UPDATE sleds s
 SET reserved_vcpus = s.reserved_vcpus + $1, reserved_ram_bytes = s.reserved_ram_bytes + $2
 FROM candidate
 WHERE s.id = candidate.id
-RETURNING s.id;
+RETURNING s.id, s.boot_id;
 
 -- name: unreserve
 UPDATE sleds SET reserved_vcpus = reserved_vcpus - $2, reserved_ram_bytes = reserved_ram_bytes - $3
 WHERE id = $1;
 
 -- name: vmm_insert
-INSERT INTO vmms (id, instance_id, sled_id, vcpus, ram_bytes, state) VALUES ($1, $2, $3, $4, $5, 'starting')
+INSERT INTO vmms (id, instance_id, sled_id, vcpus, ram_bytes, boot_id, state)
+VALUES ($1, $2, $3, $4, $5, $6, 'starting')
 ON CONFLICT (id) DO NOTHING;
 
 -- name: vmm_end
@@ -122,7 +141,7 @@ WHERE id = $1 AND generation < $3 AND ended_at IS NULL
 RETURNING id, instance_id, sled_id, vcpus, ram_bytes;
 
 -- name: sled_lock
-SELECT boot_id FROM sleds WHERE id = $1 FOR UPDATE;
+SELECT state, boot_id FROM sleds WHERE id = $1 FOR UPDATE;
 
 -- name: sled_upsert
 -- A sled makes itself known, and tells its boot id, through its inventory.
@@ -147,7 +166,8 @@ SELECT outcome, reason FROM charge_outcomes WHERE instance_id = $1 AND generatio
 -- The instance's active VMM ended: the instance lets go of it, and is stopped (or failed).
 UPDATE instances
 SET state = $2, active_vmm_id = NULL, generation = generation + 1,
-    last_error = coalesce($3, last_error), updated_at = now()
+    last_error = coalesce($3, last_error), updated_at = now(),
+    failed_at = CASE WHEN $2 = 'failed' THEN now() ELSE failed_at END
 WHERE id = $1
 RETURNING generation;
 
@@ -176,3 +196,19 @@ SELECT EXISTS (SELECT 1 FROM vmms WHERE id = $1);
 
 -- name: vmm_sled
 SELECT sled_id FROM vmms WHERE id = $1;
+
+-- name: settle_failed
+-- A failed instance that will not be restarted comes to rest as stopped, unless it changed since ($2).
+UPDATE instances SET state = 'stopped', generation = generation + 1, updated_at = now()
+WHERE id = $1 AND state = 'failed' AND generation = $2
+RETURNING generation;
+
+-- name: vmm_live
+SELECT id, instance_id, sled_id FROM vmms WHERE id = $1 AND ended_at IS NULL;
+
+-- name: vmms_live_on_sled
+SELECT id FROM vmms WHERE sled_id = $1 AND ended_at IS NULL ORDER BY id;
+
+-- name: sled_expunge
+-- Irreversible: an expunged sled never receives a placement again (place picks active sleds only).
+UPDATE sleds SET state = 'expunged' WHERE id = $1;

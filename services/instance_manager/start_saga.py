@@ -31,10 +31,13 @@ class AlreadyRunning(Exception):
 async def interlock(ctx: Context) -> dict[str, Any]:
     instance_id = uuid.UUID(ctx.params["instance_id"])
     vmm_id = uuid.uuid4()
-    won = await ctx.tx.fetchrow(Q["start_interlock"], instance_id, vmm_id)
+    expected = ctx.params.get("expected_generation")  # set by an automatic restart
+    won = await ctx.tx.fetchrow(Q["start_interlock"], instance_id, vmm_id, expected, expected is not None)
     if won is None:
         current = await ctx.tx.fetchrow(Q["instance_lock"], instance_id)
         state = current["state"] if current else "destroyed"
+        if expected is not None and current is not None and current["generation"] != expected:
+            raise bus.Conflict(f"instance changed since generation {expected}; not restarting it")
         if state in ("starting", "running", "migrating"):
             raise AlreadyRunning(state)
         if state == "destroyed":
@@ -92,13 +95,13 @@ async def charge_undo(ctx: Context) -> None:
 
 async def place(ctx: Context) -> dict[str, Any]:
     vcpus, ram = ctx.data["vcpus"], ctx.data["ram_bytes"]
-    sled_id = await ctx.tx.fetchval(Q["place"], vcpus, ram)
-    if sled_id is None:
+    placed = await ctx.tx.fetchrow(Q["place"], vcpus, ram)
+    if placed is None:
         any_room = await ctx.tx.fetchval(Q["any_sled_with_room"], vcpus, ram)
         if any_room:
             raise RuntimeError("every sled with room is being reserved right now")  # transient: retried
         raise StepFailed(f"no active sled has room for {vcpus} vCPUs and {ram / GiB:g} GiB of RAM")
-    return {"sled_id": sled_id}
+    return {"sled_id": placed["id"], "boot_id": str(placed["boot_id"]) if placed["boot_id"] else None}
 
 
 async def place_undo(ctx: Context) -> None:
@@ -109,14 +112,19 @@ async def place_undo(ctx: Context) -> None:
 
 async def create_vmm(ctx: Context) -> None:
     d = ctx.data
+    instance_id = uuid.UUID(ctx.params["instance_id"])
     await ctx.tx.execute(
         Q["vmm_insert"],
         uuid.UUID(d["vmm_id"]),
-        uuid.UUID(ctx.params["instance_id"]),
+        instance_id,
         d["sled_id"],
         d["vcpus"],
         d["ram_bytes"],
+        uuid.UUID(d["boot_id"]) if d.get("boot_id") else None,
     )
+    # Tell everyone where the instance is going (recovery watches that sled's boots from now on).
+    if await ctx.tx.fetchrow(Q["instance_bump_if_active"], instance_id, uuid.UUID(d["vmm_id"])) is not None:
+        await ctx.app.instance_changed(ctx.tx, instance_id)
 
 
 async def create_vmm_undo(ctx: Context) -> None:
@@ -132,6 +140,7 @@ async def ensure_on_sled(ctx: Context) -> None:
         instance_id=uuid.UUID(ctx.params["instance_id"]),
         vcpus=d["vcpus"],
         ram_bytes=d["ram_bytes"],
+        boot_id=uuid.UUID(d["boot_id"]) if d.get("boot_id") else None,
     )
     await bus.publish(
         ctx.app.js,

@@ -1,21 +1,63 @@
 -- name: instance_upsert
 -- Fenced by generation: an event older than what is held changes nothing.
-INSERT INTO instances (id, silo, project, name, state, generation, auto_restart, active_vmm_id, sled_id)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+INSERT INTO instances (id, silo, project, name, state, generation, auto_restart, intended_state,
+                       active_vmm_id, sled_id, vmm_boot_id, failed_at, last_auto_restart_at, changed_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
 ON CONFLICT (id) DO UPDATE
 SET state = EXCLUDED.state, generation = EXCLUDED.generation, auto_restart = EXCLUDED.auto_restart,
-    active_vmm_id = EXCLUDED.active_vmm_id, sled_id = EXCLUDED.sled_id, updated_at = now()
+    intended_state = EXCLUDED.intended_state, active_vmm_id = EXCLUDED.active_vmm_id,
+    sled_id = EXCLUDED.sled_id, vmm_boot_id = EXCLUDED.vmm_boot_id, failed_at = EXCLUDED.failed_at,
+    last_auto_restart_at = EXCLUDED.last_auto_restart_at, changed_at = EXCLUDED.changed_at, updated_at = now()
 WHERE instances.generation < EXCLUDED.generation;
 
 -- name: sled_upsert
+-- Returns the boot id held before, so that a reboot is noticed the moment its inventory arrives.
+WITH before AS (SELECT boot_id FROM sleds WHERE id = $1)
 INSERT INTO sleds (id, boot_id, vmms) VALUES ($1, $2, $3)
-ON CONFLICT (id) DO UPDATE SET boot_id = EXCLUDED.boot_id, vmms = EXCLUDED.vmms, last_inventory_at = now();
+ON CONFLICT (id) DO UPDATE SET boot_id = EXCLUDED.boot_id, vmms = EXCLUDED.vmms, last_inventory_at = now()
+RETURNING (SELECT boot_id FROM before) AS previous_boot_id;
 
--- name: discrepancies
--- Instances the control plane expects on a sled whose latest inventory does not list their VMM.
-SELECT i.id, i.silo, i.project, i.name, i.sled_id, i.active_vmm_id
+-- name: sled_state
+INSERT INTO sleds (id, boot_id, state) VALUES ($1, $2, $3)
+ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state;
+
+-- name: vmms_on_old_boots
+-- Reconciler 1: VMMs placed on an earlier boot of their sled. A sled that came back with a new boot id
+-- has lost every VMM it ran: no timeout is needed to know it.
+SELECT i.id, i.active_vmm_id, i.sled_id, s.boot_id
 FROM instances i JOIN sleds s ON s.id = i.sled_id
-WHERE i.active_vmm_id IS NOT NULL AND i.state IN ('running', 'stopping')
-  AND NOT EXISTS (
-      SELECT 1 FROM jsonb_array_elements(s.vmms) v WHERE (v ->> 'vmm_id')::uuid = i.active_vmm_id
-  );
+WHERE i.active_vmm_id IS NOT NULL AND i.vmm_boot_id IS NOT NULL AND i.vmm_boot_id <> s.boot_id
+ORDER BY i.id;
+
+-- name: stuck
+-- Reconciler 1: instances starting or stopping for longer than the timeout ($1 s) on a sled that still
+-- answers (its inventory is fresher than $2 s). A sled that went quiet is left alone: its instances'
+-- health is unknown, not failed.
+SELECT i.id, i.active_vmm_id, i.sled_id, i.state
+FROM instances i JOIN sleds s ON s.id = i.sled_id
+WHERE i.state IN ('starting', 'stopping') AND i.active_vmm_id IS NOT NULL
+  AND i.changed_at < now() - make_interval(secs => $1)
+  AND s.last_inventory_at > now() - make_interval(secs => $2)
+ORDER BY i.id;
+
+-- name: unexpected_now
+-- Reconciler 1: VMMs that a sled's latest inventory lists but that no instance expects.
+SELECT s.id AS sled_id, (v ->> 'vmm_id')::uuid AS vmm_id
+FROM sleds s, jsonb_array_elements(s.vmms) v
+WHERE NOT EXISTS (SELECT 1 FROM instances i WHERE i.active_vmm_id = (v ->> 'vmm_id')::uuid);
+
+-- name: unexpected_note
+INSERT INTO unexpected_vmms (vmm_id, sled_id) SELECT * FROM unnest($1::uuid[], $2::text[])
+ON CONFLICT (vmm_id) DO NOTHING;
+
+-- name: unexpected_forget
+-- Those no longer listed, or expected after all.
+DELETE FROM unexpected_vmms WHERE NOT (vmm_id = ANY($1::uuid[]));
+
+-- name: zombies
+SELECT vmm_id, sled_id FROM unexpected_vmms WHERE first_seen_at < now() - make_interval(secs => $1);
+
+-- name: failed
+-- Reconciler 2: every failed instance, with what decides its fate.
+SELECT id, generation, auto_restart, intended_state, failed_at, last_auto_restart_at
+FROM instances WHERE state = 'failed' ORDER BY failed_at;

@@ -1,19 +1,35 @@
-"""The simulator process: N sleds, each consuming its own command subject, publishing inventory, and
-answering simulator control requests (faults)."""
+"""The simulator process: N sleds, each consuming its own command subject and publishing its inventory,
+and the simulator's control requests (faults, reboot, freeze, thaw, add, remove)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from services.sled_agent.sled import SOURCE, Sled, Timing
 from shared import bus, subjects
 from shared.config import Settings, env_float, env_int
-from shared.messages import Envelope, SimFaults, VmmDestroy, VmmEnsure, VmmStop
+from shared.messages import (
+    Envelope,
+    SimFaults,
+    SimSledAdd,
+    SimSledFreeze,
+    SimSledList,
+    SimSledReboot,
+    SimSledRemove,
+    SimSledThaw,
+    VmmDestroy,
+    VmmEnsure,
+    VmmStop,
+    schema_of,
+)
 from shared.service import run_forever, serve_stats
 
 log = logging.getLogger(__name__)
@@ -21,23 +37,67 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 
 
-def sleds_from_env(js: Any) -> list[Sled]:
-    count = env_int("RACKPLANE_SLEDS", 8)
-    timing = Timing(
+def timing_from_env() -> Timing:
+    return Timing(
         start_delay=env_float("RACKPLANE_VMM_START_DELAY", 0.2),
         stop_delay=env_float("RACKPLANE_VMM_STOP_DELAY", 0.1),
         report_retry=env_float("RACKPLANE_REPORT_RETRY", 1.0),
     )
-    default = f"{env_int('RACKPLANE_SLED_VCPUS', 64)}:{env_int('RACKPLANE_SLED_RAM_GIB', 256)}"
-    shapes = [shape.split(":") for shape in os.environ.get("RACKPLANE_SLED_SHAPES", default).split(",")]
-    return [
-        Sled(f"sled-{i}", int(shapes[i % len(shapes)][0]), int(shapes[i % len(shapes)][1]) * GiB, js, timing)
-        for i in range(count)
-    ]
 
 
-async def command_loop(js: Any, sled: Sled) -> None:
+@dataclass
+class Simulator:
+    js: JetStreamContext
+    timing: Timing
+    state_dir: Path | None
+    sleds: dict[str, Sled] = field(default_factory=dict)
+    _loops: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    def load_or_create(self) -> None:
+        """Sleds kept from an earlier run come back as they were; otherwise RACKPLANE_SLEDS new ones."""
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            for path in sorted(self.state_dir.glob("sled-*.json")):
+                sled = Sled.load(path, self.js, self.timing)
+                self.sleds[sled.sled_id] = sled
+        if self.sleds:
+            log.info("resumed %d sleds from %s", len(self.sleds), self.state_dir)
+            return
+        default = f"{env_int('RACKPLANE_SLED_VCPUS', 64)}:{env_int('RACKPLANE_SLED_RAM_GIB', 256)}"
+        shapes = [shape.split(":") for shape in os.environ.get("RACKPLANE_SLED_SHAPES", default).split(",")]
+        for i in range(env_int("RACKPLANE_SLEDS", 8)):
+            vcpus, ram_gib = shapes[i % len(shapes)]
+            self.add(int(vcpus), int(ram_gib) * GiB)
+
+    def add(self, vcpus: int, ram_bytes: int) -> Sled:
+        n = max((int(s.removeprefix("sled-")) for s in self.sleds), default=-1) + 1
+        sled = Sled(f"sled-{n}", vcpus, ram_bytes, self.js, self.timing, self.state_dir)
+        sled._save()
+        self.sleds[sled.sled_id] = sled
+        return sled
+
+    def start(self, sled: Sled) -> None:
+        sled.resume()
+        self._loops[sled.sled_id] = asyncio.create_task(command_loop(self.js, sled))
+
+    def remove(self, sled_id: str) -> None:
+        """The sled leaves the rack for good, without a word: it is never heard from again."""
+        sled = self.sleds.pop(sled_id)
+        if (loop := self._loops.pop(sled_id, None)) is not None:
+            loop.cancel()
+        sled.shut_down()
+
+    def get(self, sled_id: str) -> Sled:
+        sled = self.sleds.get(sled_id)
+        if sled is None:
+            raise bus.NotFound(f"no simulated sled {sled_id!r}")
+        return sled
+
+
+async def command_loop(js: JetStreamContext, sled: Sled) -> None:
     async def handle(env: Envelope, body: Any, msg: Msg) -> None:
+        if sled.frozen:
+            raise bus.Retry("sled is frozen", delay=1.0)
         if isinstance(body, VmmEnsure):
             await sled.ensure(body)
         elif isinstance(body, VmmStop):
@@ -53,12 +113,14 @@ async def command_loop(js: Any, sled: Sled) -> None:
         filter_subject=subjects.sled_command(sled.sled_id, ">"),
         handler=handle,
         expect=(VmmEnsure, VmmStop, VmmDestroy),
+        verify=lambda subject, body: subjects.command_error(subject, schema_of(body)[0]),
+        max_deliver=1_000_000,  # a frozen sled holds its commands back for as long as it stays frozen
     ).run()
 
 
-async def inventory_loop(sleds: list[Sled], interval: float) -> None:
+async def inventory_loop(sim: Simulator, interval: float) -> None:
     while True:
-        for s in sleds:
+        for s in list(sim.sleds.values()):
             try:
                 await s.publish_inventory()
             except Exception as e:
@@ -66,26 +128,67 @@ async def inventory_loop(sleds: list[Sled], interval: float) -> None:
         await asyncio.sleep(interval)
 
 
+async def serve_control(nc: Any, sim: Simulator) -> None:
+    """Simulator control: `rp.sim.faults.set` and `rp.sim.sled.<verb>` (request/reply)."""
+
+    async def set_faults(body: SimFaults, msg: Msg) -> dict[str, Any]:
+        sled = sim.get(body.sled_id)
+        sled.faults = body
+        return sled.describe()
+
+    async def sled_list(body: SimSledList, msg: Msg) -> list[dict[str, Any]]:
+        return [s.describe() for s in sim.sleds.values()]
+
+    async def reboot(body: SimSledReboot, msg: Msg) -> dict[str, Any]:
+        sled = sim.get(body.sled_id)
+        sled.reboot()
+        await sled.publish_inventory()
+        return sled.describe()
+
+    async def freeze(body: SimSledFreeze, msg: Msg) -> dict[str, Any]:
+        sled = sim.get(body.sled_id)
+        sled.freeze()
+        return sled.describe()
+
+    async def thaw(body: SimSledThaw, msg: Msg) -> dict[str, Any]:
+        sled = sim.get(body.sled_id)
+        sled.thaw()
+        await sled.publish_inventory()
+        return sled.describe()
+
+    async def remove(body: SimSledRemove, msg: Msg) -> dict[str, Any]:
+        described = sim.get(body.sled_id).describe()
+        sim.remove(body.sled_id)
+        return described
+
+    async def add(body: SimSledAdd, msg: Msg) -> dict[str, Any]:
+        sled = sim.add(body.vcpus, body.ram_bytes)
+        sim.start(sled)
+        await sled.publish_inventory()
+        return sled.describe()
+
+    handlers: dict[Any, Any] = {
+        SimFaults: set_faults,
+        SimSledList: sled_list,
+        SimSledReboot: reboot,
+        SimSledFreeze: freeze,
+        SimSledThaw: thaw,
+        SimSledRemove: remove,
+        SimSledAdd: add,
+    }
+    await bus.serve(nc, "rp.sim.>", handlers, queue=SOURCE, check_silo=False)
+
+
 async def main(settings: Settings) -> None:
     nc = await bus.connect(settings.nats_url, "sled-agent")
     js = nc.jetstream()
     await bus.ensure_streams(js)
-    sleds = sleds_from_env(js)
-    by_id = {s.sled_id: s for s in sleds}
-
-    async def set_faults(body: SimFaults, msg: Msg) -> dict[str, Any]:
-        sled = by_id.get(body.sled_id)
-        if sled is None:
-            raise bus.NotFound(f"no simulated sled {body.sled_id!r}")
-        sled.faults = body
-        return {"sled_id": sled.sled_id, "faults": body.model_dump(mode="json")}
-
-    await bus.serve(
-        nc, subjects.sim_control("faults.set"), {SimFaults: set_faults}, queue=SOURCE, check_silo=False
-    )
+    state_dir = os.environ.get("RACKPLANE_SIM_STATE")
+    sim = Simulator(js, timing_from_env(), Path(state_dir) if state_dir else None)
+    sim.load_or_create()
+    for sled in sim.sleds.values():
+        sim.start(sled)
+    await serve_control(nc, sim)
     await serve_stats(nc, SOURCE)
-    log.info("simulating %d sleds: %s", len(sleds), ", ".join(by_id))
-    await run_forever(
-        inventory_loop(sleds, env_float("RACKPLANE_INVENTORY_INTERVAL", 5.0)),
-        *(command_loop(js, s) for s in sleds),
-    )
+    log.info("simulating %d sleds: %s", len(sim.sleds), ", ".join(sim.sleds))
+    await run_forever(inventory_loop(sim, env_float("RACKPLANE_INVENTORY_INTERVAL", 5.0)))

@@ -3,15 +3,23 @@
 Every VMM change bumps the VMM's generation and is reported; a report is retried until JetStream
 acknowledges it, each attempt carrying the VMM's state as it is then. A VMM that reached a terminal state is
 remembered, so that a late or repeated `ensure` never brings it back.
+
+A sled keeps its state (boot id, VMMs) in a small file, so that a restart of the simulator process is not
+a reboot of its sleds: same boot id, same VMMs. A reboot is something else: a new boot id, and every
+VMM gone, without a word about them (a real sled does not report what it lost).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import random
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 from nats.js import JetStreamContext
 
@@ -29,6 +37,8 @@ from shared.messages import (
 
 log = logging.getLogger(__name__)
 SOURCE = "sled-agent"
+REMEMBERED_ENDED = 20_000
+"""How many ended VMM ids a sled remembers, so that a late ensure for one is ignored."""
 
 
 @dataclass
@@ -55,28 +65,41 @@ class Sled:
     ram_bytes: int
     js: JetStreamContext
     timing: Timing = field(default_factory=Timing)
+    state_dir: Path | None = None
     boot_id: uuid.UUID = field(default_factory=uuid.uuid4)
     vmms: dict[uuid.UUID, SimVmm] = field(default_factory=dict)
-    ended: set[uuid.UUID] = field(default_factory=set)
+    ended: dict[uuid.UUID, None] = field(default_factory=dict)
     faults: SimFaults | None = None
+    frozen: bool = False
+    _thawed: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._thawed.set()
 
     # --- commands ---
 
     async def ensure(self, cmd: VmmEnsure) -> None:
-        if cmd.vmm_id in self.ended:
-            telemetry.count("sled.ensure_ended_ignored")
+        if cmd.vmm_id in self.ended or cmd.vmm_id in self.vmms:
+            telemetry.count("sled.ensure_repeated")
             return
-        if cmd.vmm_id in self.vmms:
+        if self._drops_commands():
             return
         vmm = SimVmm(cmd.vmm_id, cmd.instance_id, cmd.vcpus, cmd.ram_bytes)
+        if cmd.boot_id is not None and cmd.boot_id != self.boot_id:
+            # Placed before this sled rebooted: that VMM can never start here.
+            telemetry.count("sled.ensure_for_old_boot")
+            self.vmms[vmm.vmm_id] = vmm
+            self._transition(vmm, VmmState.failed)
+            return
         self.vmms[vmm.vmm_id] = vmm
+        self._save()
         self._report(vmm)
         self._spawn(self._finish_start(vmm))
 
     async def stop(self, cmd: VmmStop) -> None:
         vmm = self.vmms.get(cmd.vmm_id)
-        if vmm is None or vmm.state in (VmmState.stopping,):
+        if vmm is None or vmm.state is VmmState.stopping or self._drops_commands():
             return
         self._transition(vmm, VmmState.stopping)
         self._spawn(self._finish_stop(vmm))
@@ -84,17 +107,29 @@ class Sled:
     async def destroy(self, cmd: VmmDestroy) -> None:
         vmm = self.vmms.get(cmd.vmm_id)
         if vmm is None:
-            self.ended.add(cmd.vmm_id)  # an ensure that arrives later must not start it
+            self._forget(cmd.vmm_id)  # an ensure that arrives later must not start it
+            self._save()
             return
         self._transition(vmm, VmmState.destroyed)
 
+    def _drops_commands(self) -> bool:
+        if self.faults is not None and self.faults.drop_commands:
+            telemetry.count("sled.fault.command_dropped")
+            return True
+        return False
+
     async def _finish_start(self, vmm: SimVmm) -> None:
         await asyncio.sleep(self.timing.start_delay)
+        await self._thawed.wait()
         if vmm.state is VmmState.starting and self.vmms.get(vmm.vmm_id) is vmm:
-            self._transition(vmm, VmmState.running)
+            crash = self.faults is not None and self.faults.fail_starts
+            if crash:
+                telemetry.count("sled.fault.failed_start")
+            self._transition(vmm, VmmState.failed if crash else VmmState.running)
 
     async def _finish_stop(self, vmm: SimVmm) -> None:
         await asyncio.sleep(self.timing.stop_delay)
+        await self._thawed.wait()
         if vmm.state is VmmState.stopping and self.vmms.get(vmm.vmm_id) is vmm:
             self._transition(vmm, VmmState.stopped)
 
@@ -103,8 +138,42 @@ class Sled:
         vmm.generation += 1
         if state.terminal:
             self.vmms.pop(vmm.vmm_id, None)
-            self.ended.add(vmm.vmm_id)
+            self._forget(vmm.vmm_id)
+        self._save()
         self._report(vmm)
+
+    def _forget(self, vmm_id: uuid.UUID) -> None:
+        self.ended[vmm_id] = None
+        while len(self.ended) > REMEMBERED_ENDED:
+            self.ended.pop(next(iter(self.ended)))
+
+    # --- what the simulator's operator does to a sled ---
+
+    def reboot(self) -> None:
+        """Every VMM is lost; the sled comes back with a new boot id and nothing running."""
+        lost = len(self.vmms)
+        self.boot_id = uuid.uuid4()
+        for vmm_id in list(self.vmms):
+            self._forget(vmm_id)
+        self.vmms.clear()
+        self._save()
+        telemetry.count("sled.reboots")
+        log.info("%s rebooted (boot id %s): %d VMMs lost", self.sled_id, self.boot_id, lost)
+
+    def freeze(self) -> None:
+        """Stop answering: no inventory, no reports, no commands taken, until thawed."""
+        self.frozen = True
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        self.frozen = False
+        self._thawed.set()
+
+    def shut_down(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self.state_dir is not None:
+            (self.state_dir / f"{self.sled_id}.json").unlink(missing_ok=True)
 
     # --- reports ---
 
@@ -124,6 +193,7 @@ class Sled:
         subject = subjects.sled_report(self.sled_id, "vmm")
         attempt = 0
         while True:
+            await self._thawed.wait()
             attempt += 1
             key = f"report:{report.vmm_id}:{report.generation}:{attempt}"
             fault = self._fault_for(report)
@@ -131,7 +201,8 @@ class Sled:
                 telemetry.count("sled.fault.dropped")
             elif fault == "delay":
                 telemetry.count("sled.fault.delayed")
-                self._spawn(self._publish_later(subject, report, key, self.faults.delay_seconds))  # type: ignore[union-attr]
+                assert self.faults is not None
+                self._spawn(self._publish_later(subject, report, key, self.faults.delay_seconds))
             else:
                 try:
                     await bus.publish(self.js, subject, report, source=SOURCE, key=key)
@@ -180,11 +251,71 @@ class Sled:
         )
 
     async def publish_inventory(self) -> None:
-        await bus.publish(
-            self.js, subjects.sled_report(self.sled_id, "inventory"), self.inventory(), source=SOURCE
-        )
+        if self.frozen:
+            return
+        inv = self.inventory()
+        await bus.publish(self.js, subjects.sled_report(self.sled_id, "inventory"), inv, source=SOURCE)
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, coro: Any) -> None:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    # --- persistence across simulator restarts ---
+
+    def _save(self) -> None:
+        if self.state_dir is None:
+            return
+        state = {
+            "sled_id": self.sled_id,
+            "vcpus": self.vcpus,
+            "ram_bytes": self.ram_bytes,
+            "boot_id": str(self.boot_id),
+            "vmms": [
+                {**asdict(v), "vmm_id": str(v.vmm_id), "instance_id": str(v.instance_id)}
+                for v in self.vmms.values()
+            ],
+            "ended": [str(v) for v in self.ended],
+        }
+        path = self.state_dir / f"{self.sled_id}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, js: JetStreamContext, timing: Timing) -> Sled:
+        state = json.loads(path.read_text())
+        sled = cls(state["sled_id"], state["vcpus"], state["ram_bytes"], js, timing, path.parent)
+        sled.boot_id = uuid.UUID(state["boot_id"])
+        for v in state["vmms"]:
+            vmm = SimVmm(
+                uuid.UUID(v["vmm_id"]),
+                uuid.UUID(v["instance_id"]),
+                v["vcpus"],
+                v["ram_bytes"],
+                VmmState(v["state"]),
+                v["generation"],
+            )
+            sled.vmms[vmm.vmm_id] = vmm
+        sled.ended = {uuid.UUID(v): None for v in state["ended"]}
+        return sled
+
+    def resume(self) -> None:
+        """After a simulator restart: finish what was under way, and report every VMM's state again."""
+        for vmm in list(self.vmms.values()):
+            self._report(vmm)
+            if vmm.state is VmmState.starting:
+                self._spawn(self._finish_start(vmm))
+            elif vmm.state is VmmState.stopping:
+                self._spawn(self._finish_stop(vmm))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "sled_id": self.sled_id,
+            "boot_id": str(self.boot_id),
+            "vcpus": self.vcpus,
+            "ram_bytes": self.ram_bytes,
+            "frozen": self.frozen,
+            "vmms": len(self.vmms),
+            "faults": self.faults.model_dump(mode="json") if self.faults else None,
+        }

@@ -1,0 +1,178 @@
+"""The two reconcilers. Both are level-triggered: each pass compares what should be with what is, from
+recovery's own tables, and asks for what would make them agree. Every request is idempotent and fenced
+(by VMM id, or by the instance generation the decision was made on), so a pass can be cut short at any
+point, repeated, or run by two replicas at once: the next pass converges.
+
+Reconciler 1, "what runs where":
+  - a VMM placed on an earlier boot of its sled is lost (the sled rebooted): its instance fails, at once;
+  - an instance starting or stopping past the timeout, on a sled that still answers, is lost likewise;
+  - a VMM a sled runs but nobody expects, for longer than a grace period, is destroyed (a zombie).
+Reconciler 2, "bring them back":
+  - a failed instance whose policy is best_effort and that is meant to run is started again, through the
+    ordinary start saga (so anywhere with room, quota checked again), once the cooldown since its last
+    automatic restart has passed; any other failed instance comes to rest as stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import asyncpg
+from nats.aio.client import Client as NATS
+
+from shared import bus, db, subjects, telemetry
+from shared.config import env_float, restart_cooldown, sled_unknown_after, transition_timeout
+from shared.messages import InstanceRestart, InstanceSettle, Model, VmmDestroy, VmmLost
+
+log = logging.getLogger(__name__)
+SOURCE = "recovery"
+Q = db.queries(Path(__file__).parent / "queries.sql")
+PASS_LOCK = "recovery-pass"
+CONCURRENCY = 16
+
+
+@dataclass
+class Reconciler:
+    pool: asyncpg.Pool
+    nc: NATS
+    dsn: str
+    interval: float = field(default_factory=lambda: env_float("RACKPLANE_RECONCILE_INTERVAL", 10.0))
+    zombie_grace: float = field(default_factory=lambda: env_float("RACKPLANE_ZOMBIE_GRACE", 10.0))
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _lock_conn: asyncpg.Connection | None = None
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.run_pass()
+            except Exception as e:
+                log.warning("reconcile pass failed: %s", e)
+                telemetry.count("reconcile.pass_errors")
+                self._lock_conn = None
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.interval)
+            except TimeoutError:
+                pass
+
+    async def run_pass(self) -> dict[str, int] | None:
+        """One pass of both reconcilers, if no other replica is running one. Returns what it asked for."""
+        if self._lock_conn is None or self._lock_conn.is_closed():
+            self._lock_conn = await asyncpg.connect(self.dsn)
+        if not await self._lock_conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", PASS_LOCK):
+            telemetry.count("reconcile.passes_skipped")
+            return None
+        try:
+            done = {
+                "lost": await self.lost_vmms(),
+                "stuck": await self.stuck_instances(),
+                "zombies": await self.zombies(),
+            }
+            done.update(await self.bring_back())
+            telemetry.count("reconcile.passes")
+            return done
+        finally:
+            await self._lock_conn.execute("SELECT pg_advisory_unlock(hashtext($1))", PASS_LOCK)
+
+    # --- reconciler 1 ---
+
+    async def lost_vmms(self) -> int:
+        rows = await self.pool.fetch(Q["vmms_on_old_boots"])
+        lost = subjects.command(None, "vmm", "lost")
+        await self._ask_all(
+            (lost, VmmLost(vmm_id=r["active_vmm_id"], reason=f"sled {r['sled_id']} rebooted"), "vmm_lost")
+            for r in rows
+        )
+        return len(rows)
+
+    async def stuck_instances(self) -> int:
+        timeout = transition_timeout()
+        rows = await self.pool.fetch(Q["stuck"], timeout, sled_unknown_after())
+        lost = subjects.command(None, "vmm", "lost")
+        await self._ask_all(
+            (lost, VmmLost(vmm_id=r["active_vmm_id"], reason=f"{r['state']} for over {timeout:g}s"), "stuck")
+            for r in rows
+        )
+        return len(rows)
+
+    async def zombies(self) -> int:
+        unexpected = await self.pool.fetch(Q["unexpected_now"])
+        ids = [r["vmm_id"] for r in unexpected]
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(Q["unexpected_forget"], ids)
+            await conn.execute(Q["unexpected_note"], ids, [r["sled_id"] for r in unexpected])
+        zombies = await self.pool.fetch(Q["zombies"], self.zombie_grace)
+        js = self.nc.jetstream()
+        bucket = int(time.time() // 30)  # a new message id every 30 s, so that a lost destroy is sent again
+        for z in zombies:
+            await bus.publish(
+                js,
+                subjects.sled_command(z["sled_id"], "vmm.destroy"),
+                VmmDestroy(vmm_id=z["vmm_id"]),
+                source=SOURCE,
+                key=f"zombie:{z['vmm_id']}:{bucket}",
+            )
+            telemetry.count("reconcile.zombies_destroyed")
+        return len(zombies)
+
+    # --- reconciler 2 ---
+
+    async def bring_back(self) -> dict[str, int]:
+        now = datetime.now(UTC)
+        cooldown = timedelta(seconds=restart_cooldown())
+        restart, settle, waiting = [], [], 0
+        for r in await self.pool.fetch(Q["failed"]):
+            if r["auto_restart"] == "best_effort" and r["intended_state"] == "running":
+                due = r["failed_at"] or now
+                if r["last_auto_restart_at"] is not None:
+                    due = max(due, r["last_auto_restart_at"] + cooldown)
+                if due <= now:
+                    restart.append(r)
+                else:
+                    waiting += 1
+            else:
+                settle.append(r)
+        await self._ask_all(
+            (
+                subjects.command(None, "instance", "restart"),
+                InstanceRestart(instance_id=r["id"], generation=r["generation"]),
+                "restart",
+            )
+            for r in restart
+        )
+        await self._ask_all(
+            (
+                subjects.command(None, "instance", "settle"),
+                InstanceSettle(instance_id=r["id"], generation=r["generation"]),
+                "settle",
+            )
+            for r in settle
+        )
+        return {"restart": len(restart), "settle": len(settle), "cooling_down": waiting}
+
+    # --- asking instance-manager ---
+
+    async def _ask(self, subject: str, body: Model, what: str) -> None:
+        try:
+            await bus.request(self.nc, subject, body, source=SOURCE, timeout=10)
+            telemetry.count(f"reconcile.{what}")
+        except bus.CommandError as e:
+            # a conflict means our picture was behind (the user acted, or another pass did): the next
+            # pass, with fresher events, decides again
+            telemetry.count(f"reconcile.{what}_{e.code}")
+            log.info("%s %s: %s", what, body, e.message)
+
+    async def _ask_all(self, requests: Iterable[tuple[str, Model, str]]) -> None:
+        sem = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(subject: str, body: Model, what: str) -> None:
+            async with sem:
+                await self._ask(subject, body, what)
+
+        await asyncio.gather(*(one(*r) for r in requests))

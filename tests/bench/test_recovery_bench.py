@@ -1,0 +1,144 @@
+"""Benchmark: a sled holding 500 best_effort instances reboots. How long until the API stops calling them
+running, and until all run again; beside the time to start 500 fresh instances, measured in the same run
+(the machine is noisy: the ratio is what compares across machines).
+
+    make bench        (or: .venv/bin/pytest -m bench -s tests/bench/test_recovery_bench.py)
+Environment: BENCH_INSTANCES (500), BENCH_RUNS (3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable
+
+import asyncpg
+import pytest
+
+from deploy.stack import Stack
+from rackctl.client import Client
+from tests.conftest import GiB, eventually, make_stack
+
+pytestmark = pytest.mark.bench
+
+N = int(os.environ.get("BENCH_INSTANCES", "500"))
+RUNS = int(os.environ.get("BENCH_RUNS", "3"))
+
+
+@pytest.fixture
+async def rack() -> AsyncIterator[tuple[Stack, Client, asyncpg.Pool]]:
+    stack = make_stack(
+        "bench",
+        RACKPLANE_SLEDS="2",
+        RACKPLANE_SLED_SHAPES=f"{N + 64}:{N + 64}",
+        RACKPLANE_LOG="WARNING",
+        RACKPLANE_TRACES="none",
+    )
+    stack.start()
+    client = await Client.connect(stack.nats_url, timeout=120)
+    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
+    try:
+        await eventually(lambda: _sleds(client), timeout=20)
+        yield stack, client, db
+    finally:
+        await db.close()
+        await client.close()
+        stack.stop()
+        shutil.rmtree(stack.dir, ignore_errors=True)
+
+
+async def _sleds(client: Client) -> bool:
+    return len(await client.sled_list()) == 2
+
+
+async def count_running(db: asyncpg.Pool, silo: str, lost_boot: str | None) -> tuple[int, int]:
+    """(instances running, of which on a VMM the reboot took away), straight from the instance table
+    (500 `show`s a poll would measure the poller, not the system)."""
+    row = await db.fetchrow(
+        """
+        SELECT count(*) FILTER (WHERE i.state = 'running') AS running,
+               count(*) FILTER (WHERE i.state = 'running' AND v.boot_id = $2::uuid) AS lost
+        FROM instance_manager.instances i
+        JOIN instance_manager.projects p ON p.id = i.project_id
+        JOIN instance_manager.silos si ON si.id = p.silo_id
+        LEFT JOIN instance_manager.vmms v ON v.id = i.active_vmm_id
+        WHERE si.name = $1 AND i.state <> 'destroyed'
+        """,
+        silo,
+        lost_boot,
+    )
+    return row["running"], row["lost"]
+
+
+async def wait_for(
+    db: asyncpg.Pool, silo: str, lost_boot: str | None, done: Callable[[int, int], bool]
+) -> float:
+    """Seconds until done(running, running_on_lost_vmms) holds."""
+    start = time.monotonic()
+    while not done(*(await count_running(db, silo, lost_boot))):
+        if time.monotonic() - start > 300:
+            raise TimeoutError(f"not reached after 300s: {await count_running(db, silo, lost_boot)}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def start_fresh(client: Client, silo: str, proj: str, names: list[str]) -> None:
+    sem = asyncio.Semaphore(32)
+
+    async def create(n: str) -> None:
+        async with sem:
+            await client.instance_create(silo, proj, n, vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+
+    async def start(n: str) -> None:
+        async with sem:
+            await client.instance("start", silo, proj, n)
+
+    await asyncio.gather(*(create(n) for n in names))
+    await asyncio.gather(*(start(n) for n in names))
+
+
+async def test_reboot_of_a_sled_with_500_instances(rack: tuple[Stack, Client, asyncpg.Pool]) -> None:
+    _, client, db = rack
+    fresh, truthful, back = [], [], []
+    for run in range(RUNS):
+        silo, proj = f"bench-{run}", "p"
+        await client.silo_create(silo)
+        await client.project_create(silo, proj)
+        names = [f"vm-{i}" for i in range(N)]
+
+        # Baseline: create and start N fresh instances, until all run.
+        t0 = time.monotonic()
+        await start_fresh(client, silo, proj, names)
+        await wait_for(db, silo, None, lambda running, lost: running == N)
+        fresh.append(time.monotonic() - t0)
+
+        # Reboot the sled that holds the most of them.
+        victim, on_victim, lost_boot = await db.fetchrow(
+            "SELECT v.sled_id, count(*), s.boot_id::text FROM instance_manager.vmms v "
+            "JOIN instance_manager.sleds s ON s.id = v.sled_id WHERE v.ended_at IS NULL "
+            "GROUP BY v.sled_id, s.boot_id ORDER BY 2 DESC LIMIT 1"
+        )
+        t0 = time.monotonic()
+        await client.sim_sled("reboot", victim)
+        truthful.append(await wait_for(db, silo, lost_boot, lambda running, lost: lost == 0))
+        await wait_for(db, silo, lost_boot, lambda running, lost: running == N and lost == 0)
+        back.append(time.monotonic() - t0)
+        print(
+            f"\nrun {run}: {N} fresh starts {fresh[-1]:.2f}s; reboot of {victim} ({on_victim} instances): "
+            f"API truthful after {truthful[-1]:.2f}s, all running again after {back[-1]:.2f}s"
+        )
+        await asyncio.gather(*(client.instance("stop", silo, proj, n) for n in names))
+
+    p50 = statistics.median
+    print(
+        f"\nRESULT instances={N} runs={RUNS}\n"
+        f"  baseline: start {N} fresh instances       p50 {p50(fresh):6.2f}s  max {max(fresh):6.2f}s"
+        f"  ({N / p50(fresh):.0f} starts/s)\n"
+        f"  reboot: API stops calling them running  p50 {p50(truthful):6.2f}s  max {max(truthful):6.2f}s"
+        f"  ({p50(truthful) / p50(fresh):.2f}x baseline)\n"
+        f"  reboot: all running again               p50 {p50(back):6.2f}s  max {max(back):6.2f}s"
+        f"  ({p50(back) / p50(fresh):.2f}x baseline)"
+    )

@@ -1,0 +1,304 @@
+"""Recovery (issue: after a sled reboots, is expunged, or an instance is stuck, the API tells the truth and
+instances come back by policy). Each test gets its own stack: they reboot, freeze and expunge sleds."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+
+from deploy.stack import Stack
+from rackctl.client import Client
+from shared.messages import AutoRestart, SimFaults
+from tests.conftest import GiB, assert_invariants, eventually, make_stack, unique, usage_is, wait_state
+
+Env = dict[str, str]
+MakeRack = Callable[..., Awaitable[tuple[Stack, Client, asyncpg.Pool]]]
+
+
+@pytest.fixture
+async def rack() -> AsyncIterator[MakeRack]:
+    made: list[tuple[Stack, Client, asyncpg.Pool]] = []
+
+    async def make(**env: str) -> tuple[Stack, Client, asyncpg.Pool]:
+        stack = make_stack("recovery", **env)
+        stack.start()
+        client = await Client.connect(stack.nats_url)
+        db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
+        made.append((stack, client, db))
+        await eventually(lambda: _sleds_known(client, int(env.get("RACKPLANE_SLEDS", "8"))))
+        return stack, client, db
+
+    yield make
+    for stack, client, db in made:
+        await db.close()
+        await client.close()
+        stack.stop()
+        shutil.rmtree(stack.dir, ignore_errors=True)
+
+
+async def _sleds_known(client: Client, n: int) -> bool:
+    return len(await client.sled_list()) >= n
+
+
+async def new_project(client: Client) -> tuple[str, str]:
+    silo, proj = unique("silo"), unique("proj")
+    await client.silo_create(silo)
+    await client.project_create(silo, proj)
+    return silo, proj
+
+
+async def start_many(
+    client: Client, silo: str, proj: str, names: list[str], policy: dict[str, AutoRestart]
+) -> None:
+    await asyncio.gather(
+        *(
+            client.instance_create(
+                silo, proj, n, vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=policy[n]
+            )
+            for n in names
+        )
+    )
+    await asyncio.gather(*(client.instance("start", silo, proj, n) for n in names))
+    await asyncio.gather(*(wait_state(client, silo, proj, n, "running") for n in names))
+
+
+async def states(client: Client, silo: str, proj: str) -> dict[str, dict[str, Any]]:
+    return {i["name"]: i for i in await client.instance_list(silo, proj)}
+
+
+async def test_a_rebooted_sled_fails_its_instances_and_policy_brings_them_back(rack: MakeRack) -> None:
+    _, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    names = [f"vm-{i}" for i in range(20)]
+    policy = {n: AutoRestart.best_effort if i % 2 == 0 else AutoRestart.never for i, n in enumerate(names)}
+    await start_many(client, silo, proj, names, policy)
+    assert {i["sled_id"] for i in (await states(client, silo, proj)).values()} == {"sled-0"}
+    await client.sim_sled("add", vcpus=64, ram_bytes=256 * GiB)
+    await client.sim_sled("add", vcpus=64, ram_bytes=256 * GiB)
+    await eventually(lambda: _sleds_known(client, 3))
+
+    await client.sim_sled("reboot", "sled-0")
+
+    async def settled() -> bool:
+        now = await states(client, silo, proj)
+        return all(now[n]["state"] == ("running" if policy[n] == "best_effort" else "stopped") for n in names)
+
+    async def totals_always_match() -> None:  # "throughout": the ledger invariant holds at every moment
+        while True:
+            await assert_invariants(db, at_rest=False, timeout=0.5)
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(totals_always_match())
+    try:
+        await eventually(settled, timeout=30)
+    finally:
+        watcher.cancel()
+    final = await states(client, silo, proj)
+    for n in names:
+        assert final[n]["auto_restarts"] == (1 if policy[n] == "best_effort" else 0), final[n]
+        assert "sled sled-0 rebooted" in (final[n]["last_error"] or ""), final[n]
+    await usage_is(client, {"vcpus": 10, "ram_bytes": 10 * GiB, "disk_bytes": 20 * GiB}, silo)
+    await assert_invariants(db)
+
+
+async def test_a_silent_sled_is_unknown_until_expunged(rack: MakeRack) -> None:
+    _, client, db = await rack(RACKPLANE_SLEDS="2", RACKPLANE_SLED_UNKNOWN_AFTER="2")
+    silo, proj = await new_project(client)
+    names = [f"vm-{i}" for i in range(6)]
+    await start_many(client, silo, proj, names, dict.fromkeys(names, AutoRestart.best_effort))
+    on_0 = [n for n, i in (await states(client, silo, proj)).items() if i["sled_id"] == "sled-0"]
+    assert on_0, "placement spreads instances over both sleds"
+    charged = {"vcpus": 6, "ram_bytes": 6 * GiB, "disk_bytes": 6 * GiB}
+
+    await client.sim_sled("freeze", "sled-0")
+
+    async def unknown() -> bool:
+        now = await states(client, silo, proj)
+        return all(now[n]["health"] == "unknown" for n in on_0)
+
+    await eventually(unknown, timeout=10)
+    await asyncio.sleep(3)  # several reconcile passes: nothing may be failed or restarted
+    now = await states(client, silo, proj)
+    assert all(now[n]["state"] == "running" and now[n]["auto_restarts"] == 0 for n in names)
+    await usage_is(client, charged, silo)
+
+    expunged = await client.sled_expunge("sled-0")
+    assert expunged["state"] == "expunged" and expunged["vmms_failed"] == len(on_0)
+
+    async def back_elsewhere() -> bool:
+        now = await states(client, silo, proj)
+        return all(now[n]["state"] == "running" and now[n]["sled_id"] == "sled-1" for n in on_0)
+
+    await eventually(back_elsewhere, timeout=20)
+    await usage_is(client, charged, silo)
+    more = [f"new-{i}" for i in range(4)]
+    await start_many(client, silo, proj, more, dict.fromkeys(more, AutoRestart.never))
+    assert all(i["sled_id"] == "sled-1" for i in (await states(client, silo, proj)).values())
+    sleds = {s["id"]: s for s in await client.sled_list()}
+    assert sleds["sled-0"]["state"] == "expunged" and sleds["sled-0"]["reserved_vcpus"] == 0
+    await client.sim_sled("thaw", "sled-0")  # its zombies get destroyed
+    await assert_invariants(db)
+
+
+async def test_stuck_starting_and_stopping_instances_fail_and_follow_their_policy(rack: MakeRack) -> None:
+    _, client, db = await rack(RACKPLANE_SLEDS="2", RACKPLANE_TRANSITION_TIMEOUT="2")
+    silo, proj = await new_project(client)
+    await start_many(client, silo, proj, ["halt"], {"halt": AutoRestart.best_effort})
+    for sled in ("sled-0", "sled-1"):
+        await client.sim_faults(SimFaults(sled_id=sled, drop_commands=True))
+
+    for name, policy in (("again", AutoRestart.best_effort), ("never", AutoRestart.never)):
+        await client.instance_create(
+            silo, proj, name, vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=policy
+        )
+        await client.instance("start", silo, proj, name)
+    await client.instance("stop", silo, proj, "halt")
+
+    stopped = await wait_state(client, silo, proj, "never", "stopped", timeout=20)
+    assert "starting for over 2s" in stopped["last_error"]
+    await wait_state(client, silo, proj, "halt", "stopped", timeout=20)  # the user wanted it stopped
+
+    async def restarting() -> bool:
+        return (await client.instance("show", silo, proj, "again"))["auto_restarts"] >= 1
+
+    await eventually(restarting, timeout=20)
+    for sled in ("sled-0", "sled-1"):
+        await client.sim_faults(SimFaults(sled_id=sled))
+    await wait_state(client, silo, proj, "again", "running", timeout=20)
+    await usage_is(client, {"vcpus": 1, "ram_bytes": GiB, "disk_bytes": 3 * GiB}, silo)
+
+    async def no_zombies() -> bool:  # the VMM "halt" left running is destroyed once the sled listens again
+        return sum(s["vmms"] for s in await client.sim_sled("list")) == 1
+
+    await eventually(no_zombies, timeout=20)
+    await assert_invariants(db)
+
+
+async def test_a_zombie_vmm_is_destroyed(rack: MakeRack) -> None:
+    import uuid
+
+    from shared import bus, subjects
+    from shared.messages import VmmEnsure
+
+    _, client, _ = await rack(RACKPLANE_SLEDS="1")
+    zombie = VmmEnsure(vmm_id=uuid.uuid4(), instance_id=uuid.uuid4(), vcpus=1, ram_bytes=GiB)
+    await bus.publish(
+        client.nc.jetstream(), subjects.sled_command("sled-0", "vmm.ensure"), zombie, source="test"
+    )
+
+    async def running(n: int) -> bool:
+        return (await client.sim_sled("list"))[0]["vmms"] == n
+
+    await eventually(lambda: running(1), timeout=5)
+    await eventually(lambda: running(0), timeout=15)
+    assert (await client.stats("recovery"))["counters"]["reconcile.zombies_destroyed"] >= 1
+
+
+async def test_a_crash_loop_is_throttled_by_the_cooldown_and_a_user_stop_wins(rack: MakeRack) -> None:
+    _, client, db = await rack(RACKPLANE_SLEDS="1", RACKPLANE_RESTART_COOLDOWN="2")
+    silo, proj = await new_project(client)
+    await client.sim_faults(SimFaults(sled_id="sled-0", fail_starts=True))
+    await client.instance_create(silo, proj, "loop", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+    await client.instance("start", silo, proj, "loop")
+    await asyncio.sleep(7)
+    shown = await client.instance("show", silo, proj, "loop")
+    assert 2 <= shown["auto_restarts"] <= 4, shown  # at most one every 2 s, the first at once
+    starts = await db.fetch(
+        "SELECT created_at FROM instance_manager.sagas WHERE kind = 'instance-start' "
+        "AND params->>'instance_id' = $1 AND params ? 'expected_generation' ORDER BY created_at",
+        shown["id"],
+    )
+    gaps = [(b["created_at"] - a["created_at"]).total_seconds() for a, b in itertools.pairwise(starts)]
+    assert all(g >= 1.9 for g in gaps), gaps
+
+    # The user stops it between two automatic restarts: it stays stopped.
+    await eventually(lambda: _failed(client, silo, proj, "loop"), timeout=10)
+    await client.instance("stop", silo, proj, "loop")
+    await asyncio.sleep(3)
+    final = await client.instance("show", silo, proj, "loop")
+    assert final["state"] == "stopped"
+    restarts_after_stop = final["auto_restarts"]
+    await asyncio.sleep(2.5)
+    assert (await client.instance("show", silo, proj, "loop"))["auto_restarts"] == restarts_after_stop
+    await assert_invariants(db)
+
+
+async def _failed(client: Client, silo: str, proj: str, name: str) -> bool:
+    return (await client.instance("show", silo, proj, name))["state"] == "failed"
+
+
+async def test_a_simulator_restart_is_not_a_sled_reboot(rack: MakeRack) -> None:
+    stack, client, db = await rack(RACKPLANE_SLEDS="2")
+    silo, proj = await new_project(client)
+    names = [f"vm-{i}" for i in range(6)]
+    await start_many(client, silo, proj, names, dict.fromkeys(names, AutoRestart.best_effort))
+    boots = {s["sled_id"]: s["boot_id"] for s in await client.sim_sled("list")}
+
+    stack.services["sled_agent"].kill()
+    await asyncio.sleep(2)
+    stack.start_service("sled_agent")
+    stack.wait_ready(("sled_agent",))
+    assert {s["sled_id"]: s["boot_id"] for s in await client.sim_sled("list")} == boots
+    await asyncio.sleep(3)  # inventories come in; reconcile passes run
+    now = await states(client, silo, proj)
+    assert all(
+        i["state"] == "running" and i["auto_restarts"] == 0 and i["health"] == "ok" for i in now.values()
+    )
+    await usage_is(client, {"vcpus": 6, "ram_bytes": 6 * GiB, "disk_bytes": 6 * GiB}, silo)
+    await assert_invariants(db)
+
+
+async def test_a_stop_while_recovery_is_away_is_not_undone(rack: MakeRack) -> None:
+    """The sled reboots while recovery is down; the user stops the instance (which in truth runs nowhere);
+    when recovery comes back and finds the VMM lost, the instance ends stopped, not restarted."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    await start_many(client, silo, proj, ["vm"], {"vm": AutoRestart.best_effort})
+    stack.services["recovery"].kill()
+    await client.sim_sled("reboot", "sled-0")
+    await client.instance("stop", silo, proj, "vm")
+    stack.start_service("recovery")
+    stack.wait_ready(("recovery",))
+    final = await wait_state(client, silo, proj, "vm", "stopped", timeout=15)
+    await asyncio.sleep(2)
+    assert (await client.instance("show", silo, proj, "vm"))["state"] == "stopped"
+    assert final["auto_restarts"] == 0
+    await assert_invariants(db)
+
+
+async def test_killing_recovery_mid_pass_and_running_two_replicas_converges(rack: MakeRack) -> None:
+    stack, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    names = [f"vm-{i}" for i in range(20)]
+    await start_many(client, silo, proj, names, dict.fromkeys(names, AutoRestart.best_effort))
+    await client.sim_sled("add", vcpus=64, ram_bytes=256 * GiB)
+
+    await client.sim_sled("reboot", "sled-0")
+    await asyncio.sleep(0.15)  # recovery is in the middle of its pass
+    stack.services["recovery"].kill()
+    stack.start_service("recovery")
+    stack.start_service("recovery", replica="recovery-2")
+    stack.wait_ready(("recovery",))
+
+    async def all_running() -> bool:
+        return all(i["state"] == "running" for i in (await states(client, silo, proj)).values())
+
+    await eventually(all_running, timeout=30)
+    await asyncio.sleep(2)
+    final = await states(client, silo, proj)
+    assert all(i["state"] == "running" for i in final.values())
+    restarts = {n: i["auto_restarts"] for n, i in final.items()}
+    assert set(restarts.values()) == {1}, restarts  # each restarted exactly once
+    sagas = await db.fetch(
+        "SELECT params->>'instance_id' AS id, count(*) AS n FROM instance_manager.sagas "
+        "WHERE kind = 'instance-start' AND status = 'done' GROUP BY 1"
+    )
+    assert {r["n"] for r in sagas} == {2}  # the user's start and one automatic restart
+    await usage_is(client, {"vcpus": 20, "ram_bytes": 20 * GiB, "disk_bytes": 20 * GiB}, silo)
+    await assert_invariants(db)
