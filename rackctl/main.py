@@ -4,7 +4,8 @@ Every command is one function registered with `@command("group verb", ...)`; the
 that table, so a new command group (pool, sim, chaos, check...) is only new functions, not parser code.
 
 Contract for scripts: exit 0 on success, 1 when the control plane refuses, fails or times out (one line
-on stderr: `rackctl: error: ...`), 2 on a usage error; `--json` prints the reply data and nothing else.
+on stderr: `rackctl: error: ...`), 2 on a usage error (an irreversible command without `--yes` included);
+`--json` prints the reply data and nothing else.
 Set RACKCTL_LOG=DEBUG to see library logs on stderr (silent by default so errors stay one line).
 """
 
@@ -22,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import nats.errors
 from pydantic import ValidationError
@@ -32,11 +33,22 @@ from rackctl.output import Progress, print_fields, print_json, print_table
 from rackctl.sizes import format_size, parse_size
 from shared import bus, telemetry
 from shared.config import DEFAULT_NATS_URL
-from shared.messages import NAME_PATTERN, AutoRestart, InstanceCreate, Model, Quota
+from shared.messages import (
+    NAME_PATTERN,
+    AutoRestart,
+    InstanceCreate,
+    Model,
+    Quota,
+    SimFaults,
+    SimSledAdd,
+    VmmState,
+)
 
 PROG = "rackctl"
 DEFAULT_TIMEOUT = 60.0
+CONNECT_TIMEOUT = 5.0
 _NAME = re.compile(NAME_PATTERN)
+M = TypeVar("M", bound=Model)
 
 
 class UsageError(Exception):
@@ -45,6 +57,10 @@ class UsageError(Exception):
 
 class Failure(Exception):
     """The command ran but did not get what it asked for: a failed instance, a wait that timed out."""
+
+
+class Unconfirmed(Exception):
+    """An irreversible command without `--yes`: refused before touching anything (exit 2, one line)."""
 
 
 # --- names -----------------------------------------------------------------------------------------------
@@ -86,6 +102,12 @@ def instance_path(text: str) -> Ref:
     return Ref(*_path(text, ("SILO", "PROJECT", "INSTANCE")))
 
 
+def sled_name(text: str) -> str:
+    if not _NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid sled id {text!r}: expected a sled id such as sled-0")
+    return text
+
+
 def size(text: str) -> int:
     try:
         return parse_size(text)
@@ -109,6 +131,16 @@ def seconds(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid probability {text!r}: expected a number from 0 to 1")
+    return value
+
+
 # --- the command table -----------------------------------------------------------------------------------
 
 
@@ -123,13 +155,16 @@ class Ctx:
     async def client(self) -> Client:
         """Connect on first use, so that usage errors are reported before (and without) any network."""
         if self._client is None:
-            self._client = await Client.connect(self.args.nats, timeout=self.args.timeout)
+            limit = min(CONNECT_TIMEOUT, self.args.timeout)
+            self._client = await Client.connect(
+                self.args.nats, timeout=self.args.timeout, connect_within=limit
+            )
         return self._client
 
     async def close(self) -> None:
         if self._client is not None:
-            with contextlib.suppress(Exception):
-                await self._client.close()
+            with contextlib.suppress(Exception):  # a broken connection must not hold the exit up
+                await asyncio.wait_for(self._client.close(), 2.0)
 
     @property
     def remaining(self) -> float:
@@ -161,7 +196,10 @@ GROUPS: dict[str, str] = {
     "project": "projects inside a silo",
     "instance": "VM instances: create, start, stop, delete, inspect",
     "sled": "the sleds of the rack",
+    "sim": "drive the sled simulator: reboot, freeze, faults (testing only)",
+    "sim sled": "add, list, reboot, freeze, thaw or remove simulated sleds (testing only)",
 }
+"""Help of each command group, by its words."""
 
 
 def command(words: str, help: str, *options: Option) -> Callable[[Runner], Runner]:
@@ -180,19 +218,22 @@ def json_flag(p: argparse.ArgumentParser) -> None:
 
 
 def wait_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--wait", action="store_true", help="block until the target state (bounded by --timeout)"
-    )
+    p.add_argument("--wait", action="store_true", help="block until the target state (bounded by --timeout)")
 
 
 def instance_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("instance", type=instance_path, metavar="SILO/PROJECT/INSTANCE")
 
 
-def scope_args(p: argparse.ArgumentParser, exclusive: bool) -> None:
+def sled_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sled", type=sled_name, metavar="SLED_ID")
+
+
+def scope_args(p: argparse.ArgumentParser, exclusive: bool = False) -> None:
+    """--silo and/or --project; with `exclusive`, at most one of them."""
     target = p.add_mutually_exclusive_group() if exclusive else p
-    target.add_argument("--silo", type=silo_path, metavar="SILO")
-    target.add_argument("--project", type=project_path, metavar="SILO/PROJECT")
+    target.add_argument("--silo", type=silo_path, metavar="SILO", help="only this silo")
+    target.add_argument("--project", type=project_path, metavar="SILO/PROJECT", help="only this project")
 
 
 # --- silos and projects ----------------------------------------------------------------------------------
@@ -222,9 +263,12 @@ def _quota_text(q: dict[str, int | None] | None) -> str:
 async def silo_create(ctx: Ctx) -> None:
     a = ctx.args
     quota = _validated(
-        Quota, {"vcpus": "--cpus", "ram_bytes": "--ram", "disk_bytes": "--storage"},
-        vcpus=a.cpus, ram_bytes=a.ram, disk_bytes=a.storage,
-    )  # fmt: skip
+        Quota,
+        {"vcpus": "--cpus", "ram_bytes": "--ram", "disk_bytes": "--storage"},
+        vcpus=a.cpus,
+        ram_bytes=a.ram,
+        disk_bytes=a.storage,
+    )
     data = await (await ctx.client()).silo_create(a.name, quota)
     ctx.emit(data, lambda d: print(f"created silo {d['name']} ({_quota_text(d['quota'])})"))
 
@@ -287,10 +331,16 @@ def _create_options(p: argparse.ArgumentParser) -> None:
 async def instance_create(ctx: Ctx) -> None:
     a, ref = ctx.args, ctx.args.instance
     body = _validated(
-        InstanceCreate, {"vcpus": "--cpus", "ram_bytes": "--ram", "disk_bytes": "--disk"},
-        silo=ref.silo, project=ref.project, name=ref.name,
-        vcpus=a.cpus, ram_bytes=a.ram, disk_bytes=a.disk, auto_restart=a.auto_restart,
-    )  # fmt: skip
+        InstanceCreate,
+        {"vcpus": "--cpus", "ram_bytes": "--ram", "disk_bytes": "--disk"},
+        silo=ref.silo,
+        project=ref.project,
+        name=ref.name,
+        vcpus=a.cpus,
+        ram_bytes=a.ram,
+        disk_bytes=a.disk,
+        auto_restart=a.auto_restart,
+    )
     data = await (await ctx.client()).instance_create(
         ref.silo,
         ref.project,
@@ -308,3 +358,535 @@ async def instance_show(ctx: Ctx) -> None:
     ctx.emit(await (await ctx.client()).instance("show", *ctx.args.instance), _print_instance)
 
 
+@command("instance list", "list instances of the fleet, a silo or a project", scope_args, json_flag)
+async def instance_list(ctx: Ctx) -> None:
+    silo, project = _scope(ctx.args)
+
+    def human(instances: list[dict[str, Any]]) -> None:
+        rows = [
+            (
+                _ref(v),
+                v["state"],
+                v.get("health"),
+                v["vcpus"],
+                format_size(v["ram_bytes"]),
+                format_size(v["disk_bytes"]),
+                v["sled_id"],
+            )
+            for v in instances
+        ]
+        print_table(("INSTANCE", "STATE", "HEALTH", "VCPUS", "RAM", "DISK", "SLED"), rows)
+
+    ctx.emit(await (await ctx.client()).instance_list(silo, project), human)
+
+
+TARGETS: dict[str, str | None] = {"start": "running", "stop": "stopped", "delete": None}
+"""The state each action's --wait waits for; None: until the instance is gone (show says not_found)."""
+
+
+async def instance_action(verb: str, ctx: Ctx) -> None:
+    """start, stop or delete; with --wait, only return once the instance got there."""
+    ref: Ref = ctx.args.instance
+    client = await ctx.client()
+    data = await client.instance(verb, *ref)
+    final = data
+    if ctx.args.wait:
+        final = await _wait_for(ctx, client, ref, data, TARGETS[verb]) or data
+
+    def human(v: dict[str, Any]) -> None:
+        state = "deleted" if ctx.args.wait and TARGETS[verb] is None else v["state"]
+        where = f" on {v['sled_id']}" if state == "running" and v.get("sled_id") else ""
+        took = f" ({time.monotonic() - ctx.started:.1f}s)" if ctx.args.wait else ""
+        print(f"{ref}: {state}{where}{took}")
+
+    ctx.emit(final, human)
+
+
+for _verb, _target in TARGETS.items():
+    command(
+        f"instance {_verb}",
+        f"{_verb} an instance" + (f" (--wait: until {_target})" if _target else " (--wait: until gone)"),
+        instance_arg,
+        wait_flag,
+        json_flag,
+    )(functools.partial(instance_action, _verb))
+
+
+async def _wait_for(
+    ctx: Ctx, client: Client, ref: Ref, view: dict[str, Any], target: str | None
+) -> dict[str, Any] | None:
+    """Poll the instance until it reaches `target` (or is gone, for None), fails, or the deadline passes.
+
+    Polling `show` rather than following events keeps this correct whatever was missed in between; the
+    simulated sleds answer in tens of milliseconds, so the first polls are quick and later ones back off.
+    """
+    progress = Progress(str(ref), started=ctx.started, enabled=not ctx.args.json)
+    state = view["state"]
+    polls = 0
+    try:
+        while True:
+            if target is not None:
+                if state == target:
+                    return view
+                _raise_if_failed(ref, view, target)
+            remaining = ctx.remaining
+            if remaining <= 0:
+                goal = target or "gone"
+                raise Failure(
+                    f"timed out after {ctx.args.timeout:g}s waiting for {ref} to be {goal} (it is {state})"
+                )
+            progress.update(state)
+            if polls:
+                await asyncio.sleep(min(0.05 * 1.5**polls, 0.25, remaining))
+            polls += 1
+            client.timeout = max(min(ctx.args.timeout, ctx.remaining), 0.5)
+            try:
+                view = await client.instance("show", *ref)
+            except bus.CommandError as e:
+                if target is None and e.code == "not_found":
+                    return None
+                raise
+            state = view["state"]
+    finally:
+        progress.clear()
+
+
+def _raise_if_failed(ref: Ref, view: dict[str, Any], target: str) -> None:
+    """Stop waiting when the instance cannot get there by itself: it failed, or its start was undone."""
+    error = view.get("last_error")
+    if view["state"] == "failed":
+        raise Failure(f"{ref} failed: {error or 'no reason recorded'}")
+    if target == "running" and view["state"] == "stopped" and error:
+        raise Failure(f"{ref} did not start: {error}")
+
+
+# --- fleet -----------------------------------------------------------------------------------------------
+
+
+@command("sled list", "list sleds, their capacity and what is reserved on them", json_flag)
+async def sled_list(ctx: Ctx) -> None:
+    def human(sleds: list[dict[str, Any]]) -> None:
+        rows = [
+            (
+                s["id"],
+                s["state"],
+                f"{s['reserved_vcpus']}/{s['vcpus']}",
+                f"{format_size(s['reserved_ram_bytes'])} / {format_size(s['ram_bytes'])}",
+                s["vmms"],
+                _ago(s.get("last_seen_at")),
+            )
+            for s in sleds
+        ]
+        print_table(("SLED", "STATE", "VCPUS USED", "RAM USED", "VMMS", "LAST SEEN"), rows)
+
+    ctx.emit(await (await ctx.client()).sled_list(), human)
+
+
+def _expunge_options(p: argparse.ArgumentParser) -> None:
+    sled_arg(p)
+    p.add_argument("--yes", action="store_true", help="confirm: expunging a sled cannot be undone")
+
+
+@command(
+    "sled expunge",
+    "take a sled out of the rack for good: it is never used again and its instances fail "
+    "(and restart elsewhere by policy); irreversible, so it needs --yes",
+    _expunge_options,
+    json_flag,
+)
+async def sled_expunge(ctx: Ctx) -> None:
+    sled = ctx.args.sled
+    if not ctx.args.yes:
+        raise Unconfirmed(
+            f"refusing to expunge {sled} without --yes: expunging is irreversible "
+            "(the sled is never used again and its instances fail)"
+        )
+
+    def human(d: dict[str, Any]) -> None:
+        n = d.get("vmms_failed", 0)
+        print(f"expunged {d['id']}: {n} VMM{'' if n == 1 else 's'} failed; it will never be used again")
+
+    ctx.emit(await (await ctx.client()).sled_expunge(sled), human)
+
+
+# --- the simulator (testing only) ------------------------------------------------------------------------
+
+
+@command("sim sled list", "list simulated sleds: boot id, VMMs, frozen or not, faults", json_flag)
+async def sim_sled_list(ctx: Ctx) -> None:
+    def human(sleds: list[dict[str, Any]]) -> None:
+        rows = [
+            (
+                s["sled_id"],
+                "frozen" if s.get("frozen") else "up",
+                s.get("boot_id"),
+                s["vcpus"],
+                format_size(s["ram_bytes"]),
+                s["vmms"],
+                _faults_text(s.get("faults")),
+            )
+            for s in sleds
+        ]
+        print_table(("SLED", "STATE", "BOOT ID", "VCPUS", "RAM", "VMMS", "FAULTS"), rows)
+
+    ctx.emit(await (await ctx.client()).sim_sled("list"), human)
+
+
+def _sim_add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpus", type=count, metavar="N", help="vCPUs (default: 64)")
+    p.add_argument("--ram", type=size, metavar="SIZE", help="RAM, e.g. 256GiB (default: 256GiB)")
+
+
+@command("sim sled add", "add a simulated sled (it joins the rack at once)", _sim_add_options, json_flag)
+async def sim_sled_add(ctx: Ctx) -> None:
+    given = {"vcpus": ctx.args.cpus, "ram_bytes": ctx.args.ram}
+    body = _validated(
+        SimSledAdd,
+        {"vcpus": "--cpus", "ram_bytes": "--ram"},
+        **{k: v for k, v in given.items() if v is not None},
+    )
+    data = await (await ctx.client()).sim_sled("add", vcpus=body.vcpus, ram_bytes=body.ram_bytes)
+    ctx.emit(
+        data,
+        lambda d: print(
+            f"added {d['sled_id']}: {d['vcpus']} vCPUs, {format_size(d['ram_bytes'])} RAM "
+            f"(boot id {d['boot_id']})"
+        ),
+    )
+
+
+SIM_VERBS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "reboot": (
+        "reboot a simulated sled: its VMMs are lost and it comes back with a new boot id",
+        lambda d: f"rebooted {d['sled_id']}: new boot id {d['boot_id']}",
+    ),
+    "freeze": (
+        "freeze a simulated sled: no inventory, reports or commands until thawed",
+        lambda d: f"froze {d['sled_id']}: it answers nothing until thawed",
+    ),
+    "thaw": ("thaw a frozen simulated sled", lambda d: f"thawed {d['sled_id']}"),
+    "remove": (
+        "remove a sled from the simulator (the control plane still lists it: expunge it there)",
+        lambda d: f"removed {d['sled_id']} from the simulator",
+    ),
+}
+"""Simulator verbs that act on one sled: their help and what they print."""
+
+
+async def sim_sled_action(verb: str, ctx: Ctx) -> None:
+    data = await (await ctx.client()).sim_sled(verb, ctx.args.sled)
+    ctx.emit(data, lambda d: print(SIM_VERBS[verb][1](d)))
+
+
+for _verb, (_help, _) in SIM_VERBS.items():
+    command(f"sim sled {_verb}", _help, sled_arg, json_flag)(functools.partial(sim_sled_action, _verb))
+
+
+def _faults_options(p: argparse.ArgumentParser) -> None:
+    sled_arg(p)
+    p.add_argument(
+        "--delay-state",
+        choices=[s.value for s in VmmState],
+        help="delay only reports of this VMM state (default: any state)",
+    )
+    p.add_argument("--delay-seconds", type=seconds, metavar="S", help="how long to hold each delayed report")
+    p.add_argument("--delay-count", type=count, metavar="N", help="how many reports to delay")
+    p.add_argument("--duplicate", type=count, metavar="N", help="send every report N extra times")
+    p.add_argument("--drop-probability", type=probability, metavar="P", help="drop reports with chance P")
+    p.add_argument(
+        "--drop-commands", action="store_true", help="take commands but never act on them (no start/stop)"
+    )
+    p.add_argument("--fail-starts", action="store_true", help="every VMM that boots fails at once")
+
+
+_FAULT_OPTIONS = {
+    "delay_state": "--delay-state",
+    "delay_seconds": "--delay-seconds",
+    "delay_count": "--delay-count",
+    "duplicate": "--duplicate",
+    "drop_probability": "--drop-probability",
+    "drop_commands": "--drop-commands",
+    "fail_starts": "--fail-starts",
+}
+
+
+@command(
+    "sim faults",
+    "set the faults a simulated sled injects, replacing its current ones; with no fault options, clear them",
+    _faults_options,
+    json_flag,
+)
+async def sim_faults(ctx: Ctx) -> None:
+    a = ctx.args
+    if (a.delay_state is not None or a.delay_seconds is not None) and not a.delay_count:
+        raise UsageError("--delay-state and --delay-seconds need --delay-count (how many reports to delay)")
+    if a.delay_count and a.delay_seconds is None:
+        raise UsageError("--delay-count needs --delay-seconds (how long to hold each report)")
+    given = {key: getattr(a, key) for key in _FAULT_OPTIONS}
+    faults = _validated(
+        SimFaults,
+        _FAULT_OPTIONS,
+        sled_id=a.sled,
+        **{k: v for k, v in given.items() if v not in (None, False)},
+    )
+    data = await (await ctx.client()).sim_faults(faults)
+
+    def human(d: dict[str, Any]) -> None:
+        text = _faults_text(d.get("faults"))
+        print(f"{d['sled_id']}: faults {'cleared' if text is None else 'set: ' + text}")
+
+    ctx.emit(data, human)
+
+
+def _faults_text(f: dict[str, Any] | None) -> str | None:
+    """The faults a sled injects, in a few words; None when it injects none."""
+    if not f:
+        return None
+    parts = []
+    if f.get("delay_count"):
+        which = f"{f['delay_state']} reports" if f.get("delay_state") else "reports"
+        parts.append(f"delay next {f['delay_count']} {which} by {f.get('delay_seconds', 0):g}s")
+    if f.get("duplicate"):
+        parts.append(f"duplicate reports x{f['duplicate']}")
+    if f.get("drop_probability"):
+        parts.append(f"drop {f['drop_probability']:.0%} of reports")
+    if f.get("drop_commands"):
+        parts.append("drop commands")
+    if f.get("fail_starts"):
+        parts.append("fail starts")
+    return ", ".join(parts) or None
+
+
+@command(
+    "usage",
+    "resource usage of the fleet, a silo or a project, against quotas",
+    lambda p: scope_args(p, exclusive=True),
+    json_flag,
+)
+async def usage(ctx: Ctx) -> None:
+    silo, project = _scope(ctx.args)
+
+    def human(u: dict[str, Any]) -> None:
+        used, quota = u["usage"], u.get("quota") or {}
+        print(f"{u['scope']} {u['name']}" if u["scope"] != "fleet" else "fleet")
+        print_table(
+            ("", "USED", "QUOTA"),
+            [
+                (label, fmt(used[key]), None if quota.get(key) is None else fmt(quota[key]))
+                for label, key, fmt in _RESOURCES
+            ],
+        )
+        if u.get("children"):
+            print()
+            child = "SILO" if u["scope"] == "fleet" else "PROJECT"
+            rows = [
+                (c["name"], *(_used_of(c["usage"], c.get("quota"), key, fmt) for _, key, fmt in _RESOURCES))
+                for c in u["children"]
+            ]
+            print_table((child, "VCPUS", "RAM", "STORAGE"), rows)
+
+    ctx.emit(await (await ctx.client()).usage(silo, project), human)
+
+
+_RESOURCES: tuple[tuple[str, str, Callable[[int], str]], ...] = (
+    ("vCPUs", "vcpus", str),
+    ("RAM", "ram_bytes", format_size),
+    ("storage", "disk_bytes", format_size),
+)
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _validated(model: type[M], options: dict[str, str], **fields: Any) -> M:
+    """Build the request here, so that an out-of-range value is a usage error naming the option."""
+    try:
+        return model(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else "request"
+        option = options.get(name, name)
+        bounds = err.get("ctx") or {}
+        show = format_size if name.endswith("_bytes") else str
+        if "ge" in bounds:
+            raise UsageError(f"{option} must be at least {show(bounds['ge'])}") from None
+        if "le" in bounds:
+            raise UsageError(f"{option} must be at most {show(bounds['le'])}") from None
+        raise UsageError(f"{option}: {err['msg']}") from None
+
+
+def _scope(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(silo, project) from --silo and --project; --project names its silo, which must agree."""
+    silo: str | None = args.silo
+    if args.project is None:
+        return silo, None
+    p_silo, project = args.project
+    if silo is not None and silo != p_silo:
+        raise UsageError(f"--silo {silo} and --project {p_silo}/{project} name different silos")
+    return p_silo, project
+
+
+def _ref(v: dict[str, Any]) -> str:
+    return f"{v['silo']}/{v['project']}/{v['name']}"
+
+
+def _shape(v: dict[str, Any]) -> str:
+    cpus = f"{v['vcpus']} vCPU" + ("" if v["vcpus"] == 1 else "s")
+    return f"{cpus}, {format_size(v['ram_bytes'])} RAM, {format_size(v['disk_bytes'])} disk"
+
+
+def _size_or_none(n: int | None) -> str | None:
+    return None if n is None else format_size(n)
+
+
+def _used_of(used: dict[str, int], quota: dict[str, Any] | None, key: str, fmt: Callable[[int], str]) -> str:
+    limit = (quota or {}).get(key)
+    return fmt(used[key]) if limit is None else f"{fmt(used[key])} / {fmt(limit)}"
+
+
+def _ago(timestamp: str | None) -> str | None:
+    if not timestamp:
+        return None
+    try:
+        age = datetime.now(UTC) - datetime.fromisoformat(timestamp)
+    except ValueError:
+        return timestamp
+    return f"{max(age.total_seconds(), 0):.0f}s ago"
+
+
+def _when(timestamp: str | None) -> str | None:
+    """A timestamp, and how far it is from now: `2024-05-01T10:00:00+00:00 (12s ago)`, or `(in 3s)`."""
+    if not timestamp:
+        return None
+    try:
+        delta = (datetime.fromisoformat(timestamp) - datetime.now(UTC)).total_seconds()
+    except ValueError:
+        return timestamp
+    return f"{timestamp} ({f'in {delta:.0f}s' if delta >= 0.5 else f'{-delta:.0f}s ago'})"
+
+
+def _print_instance(v: dict[str, Any]) -> None:
+    """Every field of the view; the recovery ones only when they say something (no error, no restart...)."""
+    restarts = v.get("auto_restarts") or None
+    fields: list[tuple[str, Any, bool]] = [  # (label, value, shown even when empty)
+        ("instance", _ref(v), True),
+        ("id", v["id"], True),
+        ("state", f"{v['state']} (generation {v['generation']})", True),
+        ("intended state", v.get("intended_state"), False),
+        ("health", v.get("health"), False),
+        ("vcpus", v["vcpus"], True),
+        ("ram", format_size(v["ram_bytes"]), True),
+        ("disk", format_size(v["disk_bytes"]), True),
+        ("auto-restart", v["auto_restart"], True),
+        ("auto-restarts", restarts, False),
+        ("last auto-restart", _when(v.get("last_auto_restart_at")), False),
+        ("next restart", _when(v.get("next_restart_at")), False),
+        ("sled", v.get("sled_id"), True),
+        ("vmm", v.get("active_vmm_id"), True),
+        ("last error", v.get("last_error"), False),
+        ("failed at", _when(v.get("failed_at")), False),
+        ("updated", v.get("updated_at"), True),
+    ]
+    print_fields([(label, value) for label, value, always in fields if always or value not in (None, "")])
+
+
+# --- parser and entry point ------------------------------------------------------------------------------
+
+
+def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """On the top parser with defaults; on every command too (suppressed defaults), so both orders work."""
+    nats_default = os.environ.get("NATS_URL") or DEFAULT_NATS_URL
+    p.add_argument(
+        "--nats",
+        metavar="URL",
+        default=nats_default if defaults else argparse.SUPPRESS,
+        help=f"NATS server (default: $NATS_URL, else {DEFAULT_NATS_URL})",
+    )
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        metavar="SECONDS",
+        default=DEFAULT_TIMEOUT if defaults else argparse.SUPPRESS,
+        help="how long to wait for a reply, and with --wait for the target state "
+        f"(default {DEFAULT_TIMEOUT:g})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Operate a rackplane control plane.")
+    _global_options(parser, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, defaults=False)
+    subs = {(): parser.add_subparsers(title="commands", metavar="COMMAND", required=True)}
+    for words, cmd in COMMANDS.items():
+        for i in range(1, len(words)):
+            if words[:i] not in subs:
+                about = GROUPS.get(" ".join(words[:i]))
+                group = subs[words[: i - 1]].add_parser(words[i - 1], help=about, description=about)
+                subs[words[:i]] = group.add_subparsers(metavar="COMMAND", required=True)
+        leaf = subs[words[:-1]].add_parser(words[-1], help=cmd.help, description=cmd.help, parents=[common])
+        for add in cmd.options:
+            add(leaf)
+        leaf.set_defaults(command=cmd, parser=leaf)
+    return parser
+
+
+async def run(cmd: Command, args: argparse.Namespace) -> None:
+    """One command, as one trace: the client carries this span's context to every service it reaches."""
+    ctx = Ctx(args)
+    with telemetry.span(f"{PROG} {' '.join(cmd.words)}"):
+        try:
+            await cmd.run(ctx)
+        finally:
+            await ctx.close()
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    _setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        telemetry.setup_tracing(PROG)
+    except ValueError as e:
+        _exit_error(str(e))
+    code = 0
+    try:
+        asyncio.run(run(args.command, args))
+    except UsageError as e:
+        args.parser.error(str(e))
+    except Unconfirmed as e:
+        _report(str(e))
+        code = 2
+    except BrokenPipeError:  # stdout closed early (`rackctl ... | head`): not an error worth a line
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    except (bus.CommandError, Failure, ConnectionError) as e:
+        code = _report(str(e))
+    except nats.errors.Error as e:
+        code = _report(f"nats: {e}")
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        telemetry.shutdown_tracing()
+    sys.exit(code)
+
+
+def _report(message: str) -> int:
+    """One line on stderr, whatever the message holds."""
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 1
+
+
+def _exit_error(message: str) -> NoReturn:
+    sys.exit(_report(message))
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("RACKCTL_LOG")
+    if level:
+        logging.basicConfig(level=level.upper(), format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
+    else:  # without a handler, Python would print library warnings (nats reconnects) to stderr
+        logging.getLogger().addHandler(logging.NullHandler())
+
+
+if __name__ == "__main__":
+    main()

@@ -41,11 +41,13 @@ def print_fields(fields: Sequence[tuple[str, Cell]], out: TextIO | None = None) 
 class Progress:
     """A single status line, rewritten in place on a terminal and silent anywhere else."""
 
-    def __init__(self, label: str, out: TextIO | None = None) -> None:
+    def __init__(
+        self, label: str, *, started: float | None = None, enabled: bool = True, out: TextIO | None = None
+    ) -> None:
         self.out = out or sys.stdout
         self.label = label
-        self.started = time.monotonic()
-        self.enabled = self.out.isatty()
+        self.started = time.monotonic() if started is None else started
+        self.enabled = enabled and self.out.isatty()
         self.drawn = False
 
     @property

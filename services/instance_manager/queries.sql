@@ -199,7 +199,7 @@ SELECT sled_id FROM vmms WHERE id = $1;
 
 -- name: settle_failed
 -- A failed instance that will not be restarted comes to rest as stopped, unless it changed since ($2).
-UPDATE instances SET state = 'stopped', generation = generation + 1, updated_at = now()
+UPDATE instances SET state = 'stopped', intended_state = 'stopped', generation = generation + 1, updated_at = now()
 WHERE id = $1 AND state = 'failed' AND generation = $2
 RETURNING generation;
 
