@@ -18,6 +18,11 @@ from shared.messages import (
     InstanceStart,
     InstanceStop,
     Model,
+    PoolCreate,
+    PoolDelete,
+    PoolList,
+    PoolResize,
+    PoolShow,
     ProjectCreate,
     ProjectList,
     Quota,
@@ -98,6 +103,51 @@ class Client:
             auto_restart=auto_restart,
         )
         return await self.call(subjects.command(silo, "instance", "create"), body)
+
+    async def instance_from_pool(
+        self,
+        silo: str,
+        project: str,
+        name: str,
+        pool: str,
+        *,
+        require: bool = False,
+        auto_restart: AutoRestart = AutoRestart.best_effort,
+    ) -> Any:
+        """Take an idle VM of the pool (reply `source`: "pool"), or a new one ("new") unless `require`."""
+        body = InstanceCreate(
+            silo=silo,
+            project=project,
+            name=name,
+            from_pool=pool,
+            require_pool=require,
+            auto_restart=auto_restart,
+        )
+        return await self.call(subjects.command(silo, "instance", "create"), body)
+
+    async def pool_create(
+        self, silo: str, project: str, name: str, *, size: int, vcpus: int, ram_bytes: int, disk_bytes: int
+    ) -> Any:
+        body = PoolCreate(
+            silo=silo,
+            project=project,
+            name=name,
+            size=size,
+            vcpus=vcpus,
+            ram_bytes=ram_bytes,
+            disk_bytes=disk_bytes,
+        )
+        return await self.call(subjects.command(silo, "pool", "create"), body)
+
+    async def pool(self, verb: str, silo: str, project: str, name: str, **extra: int) -> Any:
+        """show, resize (size=) or delete one pool."""
+        model: type[Model] = {"show": PoolShow, "resize": PoolResize, "delete": PoolDelete}[verb]
+        return await self.call(
+            subjects.command(silo, "pool", verb), model(silo=silo, project=project, name=name, **extra)
+        )
+
+    async def pool_list(self, silo: str | None = None, project: str | None = None) -> Any:
+        return await self.call(subjects.command(silo, "pool", "list"), PoolList(silo=silo, project=project))
 
     async def instance(self, verb: str, silo: str, project: str, name: str) -> Any:
         """start, stop, delete or show one instance."""

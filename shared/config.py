@@ -59,3 +59,11 @@ def sled_unknown_after() -> float:
 def transition_timeout() -> float:
     """Seconds an instance may stay starting or stopping before recovery checks it against its sled."""
     return env_float("RACKPLANE_TRANSITION_TIMEOUT", 60.0)
+
+
+def ack_wait() -> float:
+    """Seconds JetStream waits for a consumer's ack before redelivering (set when a durable is created).
+
+    Tests set it low so that a held-back ack, or a handler slower than this, is redelivered quickly.
+    """
+    return env_float("RACKPLANE_ACK_WAIT", 30.0)

@@ -165,3 +165,35 @@ class OutboxRelay:
             await conn.execute(q["delete"], [r["seq"] for r in rows])
         telemetry.count("outbox.published", len(rows))
         return len(rows)
+
+
+class PassLock:
+    """One pass at a time across replicas: a session advisory lock on a connection of its own, so that it
+    is released the moment its process dies. `async with lock as mine:` — `mine` says whether this
+    replica got the pass."""
+
+    def __init__(self, dsn: str, name: str) -> None:
+        self.dsn = dsn
+        self.name = name
+        self._conn: asyncpg.Connection | None = None
+        self._held = False
+
+    async def __aenter__(self) -> bool:
+        if self._conn is None or self._conn.is_closed():
+            self._conn = await asyncpg.connect(self.dsn)
+        try:
+            self._held = bool(
+                await self._conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", self.name)
+            )
+        except Exception:
+            self._conn = None
+            raise
+        return self._held
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._held and self._conn is not None and not self._conn.is_closed():
+            try:
+                await self._conn.execute("SELECT pg_advisory_unlock(hashtext($1))", self.name)
+            except Exception:
+                self._conn = None  # the lock went with the connection
+        self._held = False

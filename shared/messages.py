@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,62}$"
 """Silo, project, instance and pool names: safe as NATS subject tokens and as path segments."""
@@ -316,6 +316,11 @@ class InstanceView(Model):
     auto_restarts: int = 0
     last_auto_restart_at: datetime | None = None
     next_restart_at: datetime | None = None
+    pool: str | None = None
+    """The warm pool this VM came from (still idle in it while has_customer_data_at is unset)."""
+    provisioned_at: datetime | None = None
+    has_customer_data_at: datetime | None = None
+    """Since when the VM may hold customer data; once set, never handed out from a pool again."""
     updated_at: datetime
 
 
@@ -372,15 +377,36 @@ class InstanceRef(Model):
     name: Name
 
 
+Vcpus = Annotated[int, Field(ge=1, le=256)]
+RamBytes = Annotated[int, Field(ge=2**20, le=2**44)]
+DiskBytes = Annotated[int, Field(ge=2**20, le=2**46)]
+
+
 @message("rp.cmd.instance.create")
 class InstanceCreate(Model):
+    """Create an instance. With `from_pool`, take an idle VM of that pool (same project) instead, running
+    already; if the pool has none, create and start a new one of the pool's shape, unless `require_pool`."""
+
     silo: Name
     project: Name
     name: Name
-    vcpus: Annotated[int, Field(ge=1, le=256)]
-    ram_bytes: Annotated[int, Field(ge=2**20, le=2**44)]
-    disk_bytes: Annotated[int, Field(ge=2**20, le=2**46)]
+    vcpus: Vcpus | None = None
+    ram_bytes: RamBytes | None = None
+    disk_bytes: DiskBytes | None = None
     auto_restart: AutoRestart = AutoRestart.best_effort
+    from_pool: Name | None = None
+    require_pool: bool = False
+
+    @model_validator(mode="after")
+    def _shape_or_pool(self) -> InstanceCreate:
+        shape = (self.vcpus, self.ram_bytes, self.disk_bytes)
+        if self.from_pool is None and None in shape:
+            raise ValueError("vcpus, ram_bytes and disk_bytes are required (or from_pool)")
+        if self.from_pool is not None and shape != (None, None, None):
+            raise ValueError("a VM from a pool has the pool's shape: give from_pool or a shape, not both")
+        if self.require_pool and self.from_pool is None:
+            raise ValueError("require_pool needs from_pool")
+        return self
 
 
 @message("rp.cmd.instance.start")
@@ -412,6 +438,74 @@ class InstanceList(Model):
 @message("rp.cmd.sled.list")
 class SledList(Model):
     pass
+
+
+# --- warm pools (request/reply, rp.cmd.<silo>.pool.<verb>) ----------------------------------------------
+
+PoolName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,55}$")]
+"""Shorter than other names: the pool's VMs are named `<pool>-<6 hex digits>` until handed out."""
+
+
+class PoolRef(Model):
+    silo: Name
+    project: Name
+    name: PoolName
+
+
+@message("rp.cmd.pool.create")
+class PoolCreate(PoolRef):
+    size: Annotated[int, Field(ge=0, le=1000)]
+    vcpus: Vcpus
+    ram_bytes: RamBytes
+    disk_bytes: DiskBytes
+
+
+@message("rp.cmd.pool.show")
+class PoolShow(PoolRef):
+    pass
+
+
+@message("rp.cmd.pool.resize")
+class PoolResize(PoolRef):
+    size: Annotated[int, Field(ge=0, le=1000)]
+
+
+@message("rp.cmd.pool.delete")
+class PoolDelete(PoolRef):
+    pass
+
+
+@message("rp.cmd.pool.list")
+class PoolList(Model):
+    silo: Name | None = None
+    project: Name | None = None
+
+
+class PoolView(Model):
+    id: uuid.UUID
+    silo: Name
+    project: Name
+    silo_id: uuid.UUID
+    project_id: uuid.UUID
+    name: str
+    vcpus: int
+    ram_bytes: int
+    disk_bytes: int
+    target_size: int
+    state: Literal["active", "deleted"]
+    generation: int
+    idle: int
+    provisioning: int
+    handed_out: int
+
+
+@message("rp.evt.pool.changed")
+class PoolChanged(Model):
+    """A pool was created, resized, deleted, or handed one of its VMs out (`instance_id`)."""
+
+    pool: PoolView
+    change: Literal["created", "resized", "deleted", "picked"]
+    instance_id: uuid.UUID | None = None
 
 
 @message("rp.cmd.sled.expunge")
@@ -526,3 +620,71 @@ class Reply(BaseModel):
 @message("rp.svc.stats")
 class StatsGet(Model):
     """Ask a service for its counters (fences fired, duplicates seen, dead letters...)."""
+
+
+# --- fault injection (request/reply, rp.svc.<service>.faults) -------------------------------------------
+
+Seconds = Annotated[float, Field(ge=0, le=60)]
+SubjectPrefix = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s]+$")]
+
+
+class DelayFault(Model):
+    """Hold each outgoing message for a time drawn uniformly from [min_seconds, max_seconds]."""
+
+    min_seconds: Seconds
+    max_seconds: Seconds
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DelayFault:
+        if self.max_seconds < self.min_seconds:
+            raise ValueError("max_seconds must not be below min_seconds")
+        return self
+
+
+class DuplicateFault(Model):
+    """Send each outgoing message `copies` more times, the k-th copy `copy_delay_seconds` x k later."""
+
+    copies: Annotated[int, Field(ge=0, le=10)]
+    bypass_dedupe: bool = False
+    """Give each copy its own Nats-Msg-Id, so that the broker keeps it and the consumers must drop it."""
+    copy_delay_seconds: Seconds = 0.05
+
+
+class ReorderFault(Model):
+    """Hold outgoing messages until `window` are held (or the oldest waited `max_hold_seconds`), then
+    release them shuffled. A window of 0 turns it off."""
+
+    window: Annotated[int, Field(ge=0, le=1000)]
+    max_hold_seconds: Annotated[float, Field(gt=0, le=60)] = 0.5
+
+
+class HoldAcksFault(Model):
+    """Do not ack a handled message (so JetStream redelivers it after ack_wait): the next `count` ones,
+    then each with `probability`."""
+
+    probability: Annotated[float, Field(ge=0, le=1)] = 0
+    count: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+
+
+@message("rp.svc.faults")
+class ServiceFaults(Model):
+    """Set or read the faults a service injects into its own messages (shared/faults.py).
+
+    A field left null keeps its current setting, so a body with no field only reads them; `clear` first
+    removes every fault and the subject filter. A fault is turned off by its zero value.
+    """
+
+    clear: bool = False
+    delay: DelayFault | None = None
+    duplicate: DuplicateFault | None = None
+    reorder: ReorderFault | None = None
+    drop_first_attempt: bool | None = None
+    """Fail the first publish of each message (same subject and content), so that the sender's retry is
+    what arrives."""
+    hold_acks: HoldAcksFault | None = None
+    slow_handler_seconds: Annotated[float, Field(ge=0, le=600)] | None = None
+    """Sleep this long before handling a message's first delivery, handled concurrently with the rest."""
+    only: Annotated[list[SubjectPrefix], Field(max_length=20)] | None = None
+    """Apply the faults only to subjects starting with one of these prefixes; empty: every subject."""
+    seed: int | None = None
+    """Seed the fault layer's random choices (delays, probabilities, shuffles), for a repeatable run."""

@@ -102,3 +102,12 @@ def silo_of(subject: str) -> str:
 def stats(service: str) -> str:
     """A service's counters (request/reply): `rp.svc.<service>.stats`."""
     return f"rp.svc.{service}.stats"
+
+
+SERVICES = ("sled-agent", "instance-manager", "accounting", "recovery")
+"""Every service, by the name it calls itself (the `<service>` token of `rp.svc` and `rp.dlq` subjects)."""
+
+
+def faults(service: str) -> str:
+    """A service's fault injection (request/reply): `rp.svc.<service>.faults`. Testing only."""
+    return f"rp.svc.{service}.faults"

@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 from services.instance_manager import lifecycle, sleds
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
+from services.instance_manager.pools import Pools
 from services.instance_manager.start_saga import START, AlreadyRunning
 from shared import bus, subjects
 from shared.db import enqueue
@@ -41,8 +42,9 @@ SAGA_REPLY_WAIT = 10.0
 
 
 class Commands:
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, pools: Pools) -> None:
         self.app = app
+        self.pools = pools
 
     async def serve(self) -> None:
         nc = self.app.nc
@@ -149,13 +151,34 @@ class Commands:
             return instance_reply(await self.app.view(conn, instance_id))
 
     async def instance_create(self, body: InstanceCreate, msg: Msg) -> dict[str, Any]:
+        if body.from_pool is None:
+            return await self._create(body)
+        picked = await self.pools.pick(body)
+        if picked is not None:
+            return {**picked, "source": "pool"}
+        if body.require_pool:
+            raise bus.Conflict(f"pool {body.silo}/{body.project}/{body.from_pool} has no idle VM")
+        # The pool is empty: a new instance of the pool's shape, started, so that the caller gets what a
+        # pick would have given, and is told so.
+        vcpus, ram, disk = await self.pools.shape(body)
+        shaped = body.model_copy(
+            update={"vcpus": vcpus, "ram_bytes": ram, "disk_bytes": disk, "from_pool": None}
+        )
+        await self._create(shaped)
+        started = await self.instance_start(
+            InstanceStart(silo=body.silo, project=body.project, name=body.name), msg
+        )
+        note = f"pool {body.from_pool} had no idle VM: created and started a new instance"
+        return {**started, "source": "new", "note": note}
+
+    async def _create(self, body: InstanceCreate) -> dict[str, Any]:
         instance_id = uuid.uuid4()
         async with self.app.pool.acquire() as conn, conn.transaction():
             project = await conn.fetchrow(Q["project_by_name"], body.silo, body.project)
             if project is None:
                 raise bus.NotFound(f"no project {body.silo}/{body.project}")
             params = {
-                **body.model_dump(mode="json"),
+                **body.model_dump(mode="json", exclude={"from_pool", "require_pool"}),
                 "instance_id": str(instance_id),
                 "project_id": str(project["id"]),
             }

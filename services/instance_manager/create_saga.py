@@ -34,6 +34,7 @@ async def record(ctx: Context) -> dict[str, Any]:
                 p["ram_bytes"],
                 p["disk_bytes"],
                 p["auto_restart"],
+                uuid.UUID(p["pool_id"]) if p.get("pool_id") else None,
             )
     except asyncpg.UniqueViolationError:
         raise bus.Conflict(f"instance {p['silo']}/{p['project']}/{p['name']} already exists") from None

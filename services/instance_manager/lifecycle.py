@@ -40,11 +40,23 @@ async def stop(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> In
     raise bus.Conflict(f"instance is {state}; it can be stopped once it is running")
 
 
+async def retire(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> None:
+    """A pool VM its pool no longer needs is stopped, then deleted by the keeper. Checked under the row
+    lock: a VM handed out meanwhile is a customer's now, and is left alone."""
+    inst = await conn.fetchrow(Q["instance_lock"], instance_id)
+    if inst["pool_id"] is None or inst["has_customer_data_at"] is not None:
+        return
+    if inst["state"] == "running":
+        await stop(app, conn, instance_id)
+    else:
+        await conn.execute(Q["instance_set_intent"], instance_id, "stopped")
+
+
 async def delete(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
     inst = await conn.fetchrow(Q["instance_lock"], instance_id)
     if inst["state"] not in ("stopped", "failed") or inst["active_vmm_id"] is not None:
         raise bus.Conflict(f"instance is {inst['state']}; only a stopped or failed instance can be deleted")
-    gen = await conn.fetchval(Q["instance_set_state"], instance_id, "destroyed", None)
+    gen = await conn.fetchval(Q["instance_destroy"], instance_id)
     await app.release_charge(conn, instance_id, gen)
     return await app.instance_changed(conn, instance_id)
 

@@ -14,6 +14,7 @@ from services.instance_manager import lifecycle, sleds
 from services.instance_manager.app import SOURCE, App
 from services.instance_manager.commands import Commands
 from services.instance_manager.create_saga import CREATE
+from services.instance_manager.pools import Keeper, Pools
 from services.instance_manager.start_saga import START
 from shared import bus, db, subjects
 from shared.config import Settings
@@ -99,7 +100,12 @@ def consumers(app: App) -> list[bus.Consumer]:
 
 async def main(settings: Settings) -> None:
     app = await build(settings)
-    await Commands(app).serve()
+    keeper = Keeper(app, settings.database_url)
+    pools = Pools(app, keeper)
+    await Commands(app, pools).serve()
+    await pools.serve()
     await serve_stats(app.nc, SOURCE)
     log.info("instance-manager ready")
-    await run_forever(app.relay.run(), app.sagas.resume_forever(), *(c.run() for c in consumers(app)))
+    await run_forever(
+        app.relay.run(), app.sagas.resume_forever(), keeper.run(), *(c.run() for c in consumers(app))
+    )

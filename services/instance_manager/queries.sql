@@ -20,8 +20,12 @@ SELECT p.id, p.name, s.name AS silo, p.created_at
 FROM projects p JOIN silos s ON s.id = p.silo_id WHERE s.name = $1 ORDER BY p.name;
 
 -- name: instance_insert
-INSERT INTO instances (id, project_id, name, vcpus, ram_bytes, disk_bytes, auto_restart, state)
-VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating');
+-- An ordinary instance may hold customer data from the start; a pool VM ($8) only once handed out.
+-- The pool means its VMs to run.
+INSERT INTO instances (id, project_id, name, vcpus, ram_bytes, disk_bytes, auto_restart, state, pool_id,
+                       has_customer_data_at, intended_state)
+VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating', $8, CASE WHEN $8::uuid IS NULL THEN now() END,
+        CASE WHEN $8::uuid IS NULL THEN 'stopped' ELSE 'running' END);
 
 -- name: instance_view
 -- Everything a reply or an event says about an instance. $2: seconds of sled silence after which its
@@ -30,6 +34,7 @@ SELECT i.id, s.name AS silo, p.name AS project, i.name, s.id AS silo_id, p.id AS
        i.vcpus, i.ram_bytes, i.disk_bytes, i.auto_restart, i.state, i.intended_state, i.generation,
        i.active_vmm_id, v.sled_id, v.boot_id AS vmm_boot_id, i.last_error, i.failed_at,
        i.auto_restarts, i.last_auto_restart_at, i.updated_at,
+       pl.name AS pool, i.provisioned_at, i.has_customer_data_at,
        CASE
            WHEN i.state = 'failed' THEN 'failed'
            WHEN v.id IS NOT NULL AND (sl.last_seen_at IS NULL
@@ -45,6 +50,7 @@ JOIN projects p ON p.id = i.project_id
 JOIN silos s ON s.id = p.silo_id
 LEFT JOIN vmms v ON v.id = i.active_vmm_id
 LEFT JOIN sleds sl ON sl.id = v.sled_id
+LEFT JOIN pools pl ON pl.id = i.pool_id
 WHERE i.id = $1;
 
 -- name: instance_by_name
@@ -62,13 +68,26 @@ WHERE i.state <> 'destroyed' AND ($1::text IS NULL OR s.name = $1) AND ($2::text
 ORDER BY s.name, p.name, i.name;
 
 -- name: instance_lock
-SELECT id, project_id, state, generation, active_vmm_id, vcpus, ram_bytes, disk_bytes
+SELECT id, project_id, state, generation, active_vmm_id, vcpus, ram_bytes, disk_bytes, pool_id,
+       has_customer_data_at
 FROM instances WHERE id = $1 FOR UPDATE;
 
 -- name: instance_set_state
--- Every change bumps the generation; returns the new one.
+-- Every change bumps the generation; returns the new one. provisioned_at says since when the current VMM
+-- runs: set on running, cleared on the way down.
 UPDATE instances
-SET state = $2, generation = generation + 1, last_error = coalesce($3, last_error), updated_at = now()
+SET state = $2, generation = generation + 1, last_error = coalesce($3, last_error), updated_at = now(),
+    provisioned_at = CASE WHEN $2 = 'running' THEN now()
+                          WHEN $2 IN ('stopping', 'stopped', 'failed') THEN NULL
+                          ELSE provisioned_at END
+WHERE id = $1
+RETURNING generation;
+
+-- name: instance_destroy
+-- A VM destroyed before it was handed out is marked now: its disk is never reused either way.
+UPDATE instances
+SET state = 'destroyed', generation = generation + 1, updated_at = now(), provisioned_at = NULL,
+    has_customer_data_at = coalesce(has_customer_data_at, now())
 WHERE id = $1
 RETURNING generation;
 
@@ -165,7 +184,7 @@ SELECT outcome, reason FROM charge_outcomes WHERE instance_id = $1 AND generatio
 -- name: instance_vmm_ended
 -- The instance's active VMM ended: the instance lets go of it, and is stopped (or failed).
 UPDATE instances
-SET state = $2, active_vmm_id = NULL, generation = generation + 1,
+SET state = $2, active_vmm_id = NULL, generation = generation + 1, provisioned_at = NULL,
     last_error = coalesce($3, last_error), updated_at = now(),
     failed_at = CASE WHEN $2 = 'failed' THEN now() ELSE failed_at END
 WHERE id = $1
@@ -175,7 +194,8 @@ RETURNING generation;
 UPDATE instances SET intended_state = $2 WHERE id = $1;
 
 -- name: instance_create_undo
-UPDATE instances SET state = 'destroyed', generation = generation + 1, last_error = $2, updated_at = now()
+UPDATE instances SET state = 'destroyed', generation = generation + 1, last_error = $2, updated_at = now(),
+                     has_customer_data_at = coalesce(has_customer_data_at, now())
 WHERE id = $1 AND state = 'creating';
 
 -- name: instance_create_ready

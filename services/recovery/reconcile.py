@@ -45,7 +45,10 @@ class Reconciler:
     interval: float = field(default_factory=lambda: env_float("RACKPLANE_RECONCILE_INTERVAL", 10.0))
     zombie_grace: float = field(default_factory=lambda: env_float("RACKPLANE_ZOMBIE_GRACE", 10.0))
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _lock_conn: asyncpg.Connection | None = None
+    lock: db.PassLock = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lock = db.PassLock(self.dsn, PASS_LOCK)
 
     async def run(self) -> None:
         while True:
@@ -54,7 +57,6 @@ class Reconciler:
             except Exception as e:
                 log.warning("reconcile pass failed: %s", e)
                 telemetry.count("reconcile.pass_errors")
-                self._lock_conn = None
             self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), self.interval)
@@ -63,12 +65,10 @@ class Reconciler:
 
     async def run_pass(self) -> dict[str, int] | None:
         """One pass of both reconcilers, if no other replica is running one. Returns what it asked for."""
-        if self._lock_conn is None or self._lock_conn.is_closed():
-            self._lock_conn = await asyncpg.connect(self.dsn)
-        if not await self._lock_conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", PASS_LOCK):
-            telemetry.count("reconcile.passes_skipped")
-            return None
-        try:
+        async with self.lock as mine:
+            if not mine:
+                telemetry.count("reconcile.passes_skipped")
+                return None
             done = {
                 "lost": await self.lost_vmms(),
                 "stuck": await self.stuck_instances(),
@@ -77,8 +77,6 @@ class Reconciler:
             done.update(await self.bring_back())
             telemetry.count("reconcile.passes")
             return done
-        finally:
-            await self._lock_conn.execute("SELECT pg_advisory_unlock(hashtext($1))", PASS_LOCK)
 
     # --- reconciler 1 ---
 
