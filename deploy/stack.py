@@ -129,7 +129,7 @@ class Nats:
 
 @dataclass
 class Postgres:
-    """A throwaway PostgreSQL cluster (fsync off: it holds nothing worth a crash-safe disk)."""
+    """A throwaway PostgreSQL cluster."""
 
     dir: Path
     port: int = field(default_factory=free_port)
@@ -168,9 +168,12 @@ class Postgres:
                 "UTF8",
                 "--no-sync",
             )
+        # fsync off: the cluster is throwaway, and a crash of PostgreSQL alone (not of the machine) loses
+        # nothing with it. synchronous_commit stays on: a commit must be in the WAL before it is reported,
+        # or a crash of PostgreSQL forgets transactions whose messages were already acknowledged.
         opts = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
-            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300"
+            "-c fsync=off -c full_page_writes=off -c max_connections=300"
         )
         try:
             self._run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -26,12 +27,15 @@ from shared.messages import (
     ProjectCreate,
     ProjectList,
     Quota,
+    ServiceFaults,
     SiloCreate,
     SiloList,
     SimFaults,
     SimSledAdd,
     SimSledFreeze,
+    SimSledHeal,
     SimSledList,
+    SimSledPartition,
     SimSledReboot,
     SimSledRemove,
     SimSledThaw,
@@ -181,7 +185,7 @@ class Client:
         """Drive the simulator: list, add (vcpus=, ram_bytes=), reboot, freeze, thaw or remove a sled."""
         model: type[Model] = {
             "list": SimSledList, "add": SimSledAdd, "reboot": SimSledReboot, "freeze": SimSledFreeze,
-            "thaw": SimSledThaw, "remove": SimSledRemove,
+            "thaw": SimSledThaw, "remove": SimSledRemove, "partition": SimSledPartition, "heal": SimSledHeal,
         }[verb]  # fmt: skip
         body = model(**shape) if verb in ("list", "add") else model(sled_id=sled_id)
         return await self.call(subjects.sim_control(f"sled.{verb}"), body)
@@ -191,3 +195,27 @@ class Client:
 
     async def sim_faults(self, faults: SimFaults) -> Any:
         return await self.call(subjects.sim_control("faults.set"), faults)
+
+    # --- fault injection (testing only) ---
+
+    async def faults(self, service: str, body: ServiceFaults | None = None) -> Any:
+        """Set a service's faults (`body`), or only read them: `{service, active, faults, counters}`."""
+        return await self.call(subjects.faults(service), body or ServiceFaults())
+
+    async def faults_status(self, timeout: float = 2.0) -> list[dict[str, Any]]:
+        """Every service's faults, asked at once; a service that does not answer has `error` instead."""
+
+        async def one(service: str) -> dict[str, Any]:
+            try:
+                return await bus.request(
+                    self.nc, subjects.faults(service), ServiceFaults(), source=SOURCE, timeout=timeout
+                )
+            except bus.CommandError as e:
+                return {"service": service, "error": e.message}
+
+        return list(await asyncio.gather(*(one(s) for s in subjects.SERVICES)))
+
+    async def clear_faults(self) -> None:
+        """Turn every service's faults off (tests call it when done, whatever happened)."""
+        for service in subjects.SERVICES:
+            await self.faults(service, ServiceFaults(clear=True))

@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 
 from shared import telemetry
 from shared.bus import MSG_ID, headers_for, msg_id_for
+from shared.faults import FAULTS
 from shared.messages import Model, encode, envelope
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=_json, decoder=json.loads, schema="pg_catalog")
 
 
-async def create_pool(dsn: str, schema: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
+async def create_pool(dsn: str, schema: str, *, min_size: int = 0, max_size: int = 10) -> asyncpg.Pool:
     """A pool whose connections see only `schema` (the service's own tables) by default."""
     deadline = asyncio.get_running_loop().time() + 30
     while True:
@@ -155,16 +156,19 @@ class OutboxRelay:
             rows = await conn.fetch(q["claim"], self.batch)
             if not rows:
                 return 0
-            acks = [
-                await self.js.publish_async(
-                    r["subject"], r["payload"], headers={**r["headers"], MSG_ID: str(r["msg_id"])}
-                )
-                for r in rows
-            ]
+            acks = [await self._publish(r) for r in rows]
             await asyncio.wait_for(asyncio.gather(*acks), timeout=10)
             await conn.execute(q["delete"], [r["seq"] for r in rows])
         telemetry.count("outbox.published", len(rows))
         return len(rows)
+
+    async def _publish(self, row: asyncpg.Record) -> asyncio.Future[Any]:
+        """Publish one row, through the fault layer when it is on (it may delay, copy, reorder or refuse
+        it: the row stays until its ack, so a refused or lost publish is sent again by a later drain)."""
+        headers = {**row["headers"], MSG_ID: str(row["msg_id"])}
+        if FAULTS.active:
+            return await FAULTS.publish_async(self.js, row["subject"], row["payload"], headers)
+        return await self.js.publish_async(row["subject"], row["payload"], headers=headers)
 
 
 class PassLock:

@@ -598,6 +598,16 @@ class SimSledThaw(SimSledRef):
     pass
 
 
+@message("rp.sim.sled.partition")
+class SimSledPartition(SimSledRef):
+    """Cut the sled off: its messages are dropped both ways (its VMMs go on running)."""
+
+
+@message("rp.sim.sled.heal")
+class SimSledHeal(SimSledRef):
+    pass
+
+
 @message("rp.sim.sled.remove")
 class SimSledRemove(SimSledRef):
     pass

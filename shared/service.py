@@ -27,6 +27,7 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
         with suppress(asyncio.CancelledError):
             await task
         log.info("%s stopped", service)
@@ -35,6 +36,18 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
         asyncio.run(supervise())
     finally:
         telemetry.shutdown_tracing()
+
+
+def dump_tasks() -> None:
+    """On SIGUSR1: log where every task is waiting, to diagnose a stuck process without stopping it."""
+    for t in asyncio.all_tasks():
+        where, coro = [], t.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                where.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        log.warning("task %s:%s", t.get_name(), "".join(f"\n    {w}" for w in where))
 
 
 async def run_forever(*coros: Awaitable[None]) -> None:
@@ -58,3 +71,22 @@ async def serve_stats(
         return out
 
     await bus.serve(nc, subjects.stats(service), {StatsGet: answer}, queue=service, check_silo=False)
+
+
+async def serve_faults(nc: Any, service: str) -> None:
+    """Answer `rp.svc.<service>.faults`: set or read this process's fault injection (shared/faults.py).
+
+    Every replica of the service subscribes (no queue group), so that each applies what it is asked; the
+    requester sees the first reply.
+    """
+    from shared import bus, subjects
+    from shared.faults import FAULTS
+    from shared.messages import ServiceFaults
+
+    async def answer(body: ServiceFaults, msg: Any) -> dict[str, Any]:
+        FAULTS.configure(body)
+        if body.clear or any(value is not None for name, value in body if name != "clear"):
+            log.warning("%s: fault injection %s", service, FAULTS.describe()["faults"])
+        return {"service": service, **FAULTS.describe()}
+
+    await bus.serve(nc, subjects.faults(service), {ServiceFaults: answer}, queue="", check_silo=False)

@@ -157,10 +157,16 @@ class Executor:
         async with self._lock_guard:
             if self._lock_conn is None or self._lock_conn.is_closed():
                 self._lock_conn = await asyncpg.connect(self.dsn)
-            if take:
-                return bool(await self._lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", key))
-            await self._lock_conn.execute("SELECT pg_advisory_unlock($1)", key)
-            return True
+            try:
+                if take:
+                    return bool(await self._lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", key))
+                await self._lock_conn.execute("SELECT pg_advisory_unlock($1)", key)
+                return True
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                # The database went away (and the locks with it): connect afresh next time.
+                self._lock_conn.terminate()
+                self._lock_conn = None
+                raise
 
     async def _run(self, saga_id: uuid.UUID) -> str:
         while True:
@@ -168,7 +174,7 @@ class Executor:
                 if await self._lock(saga_id, take=True):
                     break
                 return "busy"  # another process runs it
-            except (OSError, asyncpg.PostgresError) as e:
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
                 log.info("saga %s: cannot take its lock yet (%s)", saga_id, e)
                 await asyncio.sleep(self.retry_delay)
         try:
@@ -182,7 +188,12 @@ class Executor:
     async def _drive(self, saga_id: uuid.UUID) -> str:
         attempt = 0
         while True:
-            row = await self._load(saga_id)
+            try:
+                row = await self._load(saga_id)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.info("saga %s: cannot read its progress yet (%s)", saga_id, e)
+                await asyncio.sleep(self.retry_delay)
+                continue
             if row is None or row["status"] in ("done", "failed"):
                 return row["status"] if row else "missing"
             saga = self.kinds[row["kind"]]

@@ -21,7 +21,9 @@ from shared.messages import (
     SimFaults,
     SimSledAdd,
     SimSledFreeze,
+    SimSledHeal,
     SimSledList,
+    SimSledPartition,
     SimSledReboot,
     SimSledRemove,
     SimSledThaw,
@@ -30,7 +32,7 @@ from shared.messages import (
     VmmStop,
     schema_of,
 )
-from shared.service import run_forever, serve_stats
+from shared.service import run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,8 @@ class Simulator:
 
 async def command_loop(js: JetStreamContext, sled: Sled) -> None:
     async def handle(env: Envelope, body: Any, msg: Msg) -> None:
-        if sled.frozen:
-            raise bus.Retry("sled is frozen", delay=1.0)
+        if not sled.reachable:
+            raise bus.Retry("sled is frozen or cut off", delay=1.0)
         if isinstance(body, VmmEnsure):
             await sled.ensure(body)
         elif isinstance(body, VmmStop):
@@ -156,6 +158,17 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         await sled.publish_inventory()
         return sled.describe()
 
+    async def partition(body: SimSledPartition, msg: Msg) -> dict[str, Any]:
+        sled = sim.get(body.sled_id)
+        sled.partition(True)
+        return sled.describe()
+
+    async def heal(body: SimSledHeal, msg: Msg) -> dict[str, Any]:
+        sled = sim.get(body.sled_id)
+        sled.partition(False)
+        await sled.publish_inventory()
+        return sled.describe()
+
     async def remove(body: SimSledRemove, msg: Msg) -> dict[str, Any]:
         described = sim.get(body.sled_id).describe()
         sim.remove(body.sled_id)
@@ -173,6 +186,8 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         SimSledReboot: reboot,
         SimSledFreeze: freeze,
         SimSledThaw: thaw,
+        SimSledPartition: partition,
+        SimSledHeal: heal,
         SimSledRemove: remove,
         SimSledAdd: add,
     }
@@ -189,6 +204,7 @@ async def main(settings: Settings) -> None:
     for sled in sim.sleds.values():
         sim.start(sled)
     await serve_control(nc, sim)
+    await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE)
     log.info("simulating %d sleds: %s", len(sim.sleds), ", ".join(sim.sleds))
     await run_forever(inventory_loop(sim, env_float("RACKPLANE_INVENTORY_INTERVAL", 5.0)))

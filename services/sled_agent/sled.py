@@ -71,11 +71,18 @@ class Sled:
     ended: dict[uuid.UUID, None] = field(default_factory=dict)
     faults: SimFaults | None = None
     frozen: bool = False
+    partitioned: bool = False
     _thawed: asyncio.Event = field(default_factory=asyncio.Event)
+    _connected: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._thawed.set()
+        self._connected.set()
+
+    @property
+    def reachable(self) -> bool:
+        return not (self.frozen or self.partitioned)
 
     # --- commands ---
 
@@ -169,6 +176,14 @@ class Sled:
         self.frozen = False
         self._thawed.set()
 
+    def partition(self, cut: bool) -> None:
+        """Cut the sled off the network (or heal it): its VMMs go on, but nothing goes in or out."""
+        self.partitioned = cut
+        if cut:
+            self._connected.clear()
+        else:
+            self._connected.set()
+
     def shut_down(self) -> None:
         for t in list(self._tasks):
             t.cancel()
@@ -194,6 +209,7 @@ class Sled:
         attempt = 0
         while True:
             await self._thawed.wait()
+            await self._connected.wait()
             attempt += 1
             key = f"report:{report.vmm_id}:{report.generation}:{attempt}"
             fault = self._fault_for(report)
@@ -251,7 +267,7 @@ class Sled:
         )
 
     async def publish_inventory(self) -> None:
-        if self.frozen:
+        if not self.reachable:
             return
         inv = self.inventory()
         await bus.publish(self.js, subjects.sled_report(self.sled_id, "inventory"), inv, source=SOURCE)
@@ -316,6 +332,7 @@ class Sled:
             "vcpus": self.vcpus,
             "ram_bytes": self.ram_bytes,
             "frozen": self.frozen,
+            "partitioned": self.partitioned,
             "vmms": len(self.vmms),
             "faults": self.faults.model_dump(mode="json") if self.faults else None,
         }

@@ -1,0 +1,22 @@
+"""Which failures are the infrastructure's, not the message's."""
+
+from __future__ import annotations
+
+import asyncpg
+import nats.errors
+
+
+def transient(e: BaseException) -> bool:
+    """A failure that says nothing about the message: the database or the broker is away for a while
+    (restarting, unreachable, shutting a connection down). Such a message is retried for as long as it
+    takes, never dead-lettered: the dead-letter stream is for messages that can never be handled."""
+    return isinstance(
+        e,
+        OSError
+        | TimeoutError
+        | asyncpg.PostgresConnectionError
+        | asyncpg.InterfaceError
+        | asyncpg.exceptions.OperatorInterventionError
+        | asyncpg.exceptions.CannotConnectNowError
+        | nats.errors.Error,
+    )
