@@ -25,13 +25,14 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-## chaos: long fault-injection soaks (SEED=, DURATION=)
+## chaos: a long fault-injection soak: random commands under random faults, then every invariant checked
+## (make chaos SEED=42 DURATION=600; a failing run prints its seed and the log that replays it)
 chaos: install
-	$(BIN)/pytest -m chaos -p no:cacheprovider
+	SEED=$(SEED) DURATION=$(DURATION) $(BIN)/pytest -m chaos -s -p no:cacheprovider -o timeout=0 tests/chaos
 
 ## bench: benchmarks; they print ratios against a baseline measured in the same run
 bench: install
-	$(BIN)/pytest -m bench -s -p no:cacheprovider
+	$(BIN)/pytest -m bench -s -p no:cacheprovider -o timeout=0
 
 clean:
 	rm -rf $(VENV) .rackplane .pytest_cache .ruff_cache

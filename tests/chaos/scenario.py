@@ -1,0 +1,296 @@
+"""The seeded chaos scenario: random operator commands under random faults, then quiesce and check.
+
+Random operator commands (create, start, stop, delete, pool picks, sled reboots, one expunge) run from a
+few concurrent workers while faults are injected: message faults in the services' buses (delay,
+duplicate, reorder, drop a first attempt, hold acks), report faults in the simulated sleds, sled
+partitions, kill -9 of any service (restarted a moment later), and restarts of nats-server and of
+PostgreSQL. Then every fault is lifted, the system is left to settle, and the invariant checker must find
+nothing. Every choice comes from one seed, so a run's sequence of operations can be replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from deploy.stack import SERVICES, Stack
+from rackctl.check import check
+from rackctl.client import Client
+from shared.bus import CommandError
+from shared.messages import (
+    AutoRestart,
+    DelayFault,
+    DuplicateFault,
+    HoldAcksFault,
+    ReorderFault,
+    ServiceFaults,
+    SimFaults,
+    VmmState,
+)
+
+GiB = 2**30
+SILO, PROJECT, POOL = "chaos", "p", "warm"
+
+# How fast the stack under chaos notices and repairs: short, so that a run settles in seconds.
+CHAOS_ENV = {
+    "RACKPLANE_SLEDS": "5",
+    "RACKPLANE_TRANSITION_TIMEOUT": "5",
+    "RACKPLANE_RESTART_COOLDOWN": "1",
+    "RACKPLANE_ZOMBIE_GRACE": "3",
+    "RACKPLANE_SLED_UNKNOWN_AFTER": "3",
+    "RACKPLANE_ACK_WAIT": "3",
+    "RACKPLANE_LOG": "WARNING",
+    "RACKPLANE_TRACES": "none",
+}
+
+WEIGHTS = {
+    "create": 14, "start": 20, "stop": 14, "delete": 5, "pick": 5,
+    "reboot": 3, "expunge": 1, "partition": 3, "kill": 5, "restart_broker": 1, "restart_database": 1,
+    "sled_faults": 4, "service_faults": 5,
+}  # fmt: skip
+
+
+@dataclass
+class Report:
+    seed: int
+    duration: float
+    ops: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        def counts(c: Counter[str]) -> str:
+            return f"{sum(c.values())}  " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+
+        lines = [
+            f"chaos seed={self.seed} duration={self.duration:g}s",
+            f"  operations: {counts(self.ops)}",
+            f"  outcomes: {counts(self.outcomes)}",
+            f"  faults injected: {counts(self.faults)}",
+            f"  violations: {len(self.violations)}",
+            *(f"    {v}" for v in self.violations),
+        ]
+        return "\n".join(lines)
+
+
+@dataclass
+class Scenario:
+    stack: Stack
+    client: Client
+    db: asyncpg.Pool
+    seed: int
+    duration: float
+    workers: int = 3
+    report: Report = field(init=False)
+    names: list[str] = field(default_factory=list)
+    expunged: set[str] = field(default_factory=set)
+    _next: int = 0
+    _start: float = 0.0
+    _infra: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.report = Report(self.seed, self.duration)
+
+    def note(self, worker: int, op: str, target: str, outcome: str) -> None:
+        self.report.log.append(
+            f"t={time.monotonic() - self._start:7.2f} w{worker} {op} {target} -> {outcome}"
+        )
+
+    async def setup(self) -> None:
+        await self.client.silo_create(SILO)
+        await self.client.project_create(SILO, PROJECT)
+        await self.client.pool_create(SILO, PROJECT, POOL, size=3, vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+
+    async def run(self) -> Report:
+        await self.setup()
+        self._start = time.monotonic()
+        await asyncio.gather(*(self.worker(w) for w in range(self.workers)))
+        await self.quiesce()
+        return self.report
+
+    async def worker(self, w: int) -> None:
+        rng = random.Random(self.seed * 1000 + w)
+        ops, weights = zip(*WEIGHTS.items(), strict=True)
+        while time.monotonic() - self._start < self.duration:
+            op = rng.choices(ops, weights)[0]
+            self.report.ops[op] += 1
+            try:
+                target = await asyncio.wait_for(getattr(self, f"op_{op}")(rng), 30)
+                outcome = "ok"
+            except CommandError as e:
+                target, outcome = "", f"error:{e.code}"
+            except TimeoutError:
+                target, outcome = "", "error:timeout"
+            self.report.outcomes[outcome] += 1
+            self.note(w, op, target or "", outcome)
+            await asyncio.sleep(rng.uniform(0, 0.2))
+
+    # --- operator commands ---
+
+    def _pick_name(self, rng: random.Random) -> str:
+        return rng.choice(self.names) if self.names else "none"
+
+    async def op_create(self, rng: random.Random) -> str:
+        self._next += 1
+        name = f"c-{self._next}"
+        self.names.append(name)
+        policy = rng.choice(list(AutoRestart))
+        await self.client.instance_create(
+            SILO, PROJECT, name, vcpus=rng.randint(1, 2), ram_bytes=GiB, disk_bytes=GiB, auto_restart=policy
+        )
+        return name
+
+    async def op_start(self, rng: random.Random) -> str:
+        name = self._pick_name(rng)
+        await self.client.instance("start", SILO, PROJECT, name)
+        return name
+
+    async def op_stop(self, rng: random.Random) -> str:
+        name = self._pick_name(rng)
+        await self.client.instance("stop", SILO, PROJECT, name)
+        return name
+
+    async def op_delete(self, rng: random.Random) -> str:
+        name = self._pick_name(rng)
+        await self.client.instance("delete", SILO, PROJECT, name)
+        return name
+
+    async def op_pick(self, rng: random.Random) -> str:
+        self._next += 1
+        name = f"p-{self._next}"
+        self.names.append(name)
+        reply = await self.client.instance_from_pool(SILO, PROJECT, name, POOL)
+        return f"{name} ({reply['source']})"
+
+    # --- sleds ---
+
+    def _sled(self, rng: random.Random) -> str:
+        live = [
+            f"sled-{i}" for i in range(int(CHAOS_ENV["RACKPLANE_SLEDS"])) if f"sled-{i}" not in self.expunged
+        ]
+        return rng.choice(live)
+
+    async def op_reboot(self, rng: random.Random) -> str:
+        sled = self._sled(rng)
+        await self.client.sim_sled("reboot", sled)
+        self.report.faults["sled_reboot"] += 1
+        return sled
+
+    async def op_expunge(self, rng: random.Random) -> str:
+        if self.expunged:
+            return "(one expunge a run)"
+        sled = self._sled(rng)
+        self.expunged.add(sled)
+        await self.client.sled_expunge(sled)
+        self.report.faults["sled_expunge"] += 1
+        return sled
+
+    async def op_partition(self, rng: random.Random) -> str:
+        sled = self._sled(rng)
+        await self.client.sim_sled("partition", sled)
+        self.report.faults["sled_partition"] += 1
+        await asyncio.sleep(rng.uniform(1, 4))
+        await self.client.sim_sled("heal", sled)
+        return sled
+
+    async def op_sled_faults(self, rng: random.Random) -> str:
+        sled = self._sled(rng)
+        kind = rng.choice(["delay", "duplicate", "drop"])
+        faults = {
+            "delay": SimFaults(sled_id=sled, delay_state=rng.choice([None, VmmState.stopped]),
+                               delay_seconds=rng.uniform(0.5, 3), delay_count=rng.randint(1, 5)),
+            "duplicate": SimFaults(sled_id=sled, duplicate=3),
+            "drop": SimFaults(sled_id=sled, drop_probability=0.3),
+        }[kind]  # fmt: skip
+        before = await self._sled_injected()
+        await self.client.sim_faults(faults)
+        await asyncio.sleep(rng.uniform(1, 3))
+        injected = await self._sled_injected() - before
+        await self.client.sim_faults(SimFaults(sled_id=sled))
+        self.report.faults[f"sled report {kind}"] += max(injected, 0)
+        return f"{sled} {kind}: {injected} injected"
+
+    async def _sled_injected(self) -> int:
+        counters = (await self.client.stats("sled-agent"))["counters"]
+        return sum(n for name, n in counters.items() if name.startswith("sled.fault."))
+
+    # --- services and infrastructure ---
+
+    async def op_service_faults(self, rng: random.Random) -> str:
+        service = rng.choice(["instance-manager", "accounting", "recovery", "sled-agent"])
+        kind = rng.choice(["delay", "duplicate", "reorder", "drop_first_attempt", "hold_acks"])
+        body = {
+            "delay": ServiceFaults(delay=DelayFault(min_seconds=0.05, max_seconds=rng.uniform(0.1, 1))),
+            "duplicate": ServiceFaults(
+                duplicate=DuplicateFault(copies=rng.randint(1, 3), bypass_dedupe=True)
+            ),
+            "reorder": ServiceFaults(reorder=ReorderFault(window=rng.randint(2, 8))),
+            "drop_first_attempt": ServiceFaults(drop_first_attempt=True),
+            "hold_acks": ServiceFaults(hold_acks=HoldAcksFault(probability=0.3)),
+        }[kind]
+        before = await self._injected(service)
+        await self.client.faults(service, body.model_copy(update={"seed": rng.randint(0, 2**31)}))
+        await asyncio.sleep(rng.uniform(1, 4))
+        injected = await self._injected(service) - before
+        await self.client.faults(service, ServiceFaults(clear=True))
+        self.report.faults[f"{kind} ({service})"] += max(injected, 0)  # a kill -9 meanwhile resets the count
+        return f"{service} {kind}: {injected} injected"
+
+    async def _injected(self, service: str) -> int:
+        counters = (await self.client.faults(service))["counters"]
+        return sum(n for name, n in counters.items() if name.startswith("faults."))
+
+    async def op_kill(self, rng: random.Random) -> str:
+        name = rng.choice(SERVICES)
+        async with self._infra:
+            self.stack.services[name].kill()
+            self.report.faults["kill -9"] += 1
+            await asyncio.sleep(rng.uniform(0.2, 2))
+            self.stack.start_service(name)
+        return name
+
+    async def op_restart_broker(self, rng: random.Random) -> str:
+        assert self.stack.nats is not None
+        async with self._infra:
+            await asyncio.to_thread(self.stack.nats.stop)
+            await asyncio.sleep(rng.uniform(0.2, 1.5))
+            await asyncio.to_thread(self.stack.nats.start)
+        self.report.faults["broker_restart"] += 1
+        return "nats-server"
+
+    async def op_restart_database(self, rng: random.Random) -> str:
+        assert self.stack.postgres is not None
+        async with self._infra:
+            await asyncio.to_thread(self.stack.postgres.stop, "immediate")
+            await asyncio.sleep(rng.uniform(0.2, 1.5))
+            await asyncio.to_thread(self.stack.postgres.start)
+        self.report.faults["database_restart"] += 1
+        return "postgres"
+
+    # --- the end of a run ---
+
+    async def quiesce(self, settle_for: float = 120) -> None:
+        """Lift every fault, let the system settle, then check every invariant."""
+        for name, svc in self.stack.services.items():
+            if not svc.alive:
+                self.stack.start_service(name)
+        await asyncio.to_thread(self.stack.wait_ready)
+        await self.client.clear_faults()
+        for sled in await self.client.sim_sled("list"):
+            await self.client.sim_faults(SimFaults(sled_id=sled["sled_id"]))
+            await self.client.sim_sled("heal", sled["sled_id"])
+        deadline = time.monotonic() + settle_for
+        while True:
+            async with self.db.acquire() as conn:
+                violations = await check(conn, at_rest=True)
+            if not violations or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1)
+        self.report.violations = violations
