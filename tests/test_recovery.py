@@ -101,7 +101,12 @@ async def test_a_rebooted_sled_fails_its_instances_and_policy_brings_them_back(r
         watcher.cancel()
     final = await states(client, silo, proj)
     for n in names:
-        assert final[n]["auto_restarts"] == (1 if policy[n] == "best_effort" else 0), final[n]
+        # At least once: a restart placed before instance-manager has seen the sled's new boot id fails at
+        # once on that sled and is restarted again, after the cooldown. Charges stay exact either way.
+        if policy[n] == "best_effort":
+            assert final[n]["auto_restarts"] >= 1, final[n]
+        else:
+            assert final[n]["auto_restarts"] == 0, final[n]
         assert "sled sled-0 rebooted" in (final[n]["last_error"] or ""), final[n]
     await usage_is(client, {"vcpus": 10, "ram_bytes": 10 * GiB, "disk_bytes": 20 * GiB}, silo)
     await assert_invariants(db)
