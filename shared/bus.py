@@ -8,6 +8,9 @@
   transaction committed), naks on transient failure, and dead-letters what it can never handle, with the
   reason, so that nothing is lost and the loop goes on.
 - `serve` / `request`: operator commands as request/reply, with errors as clear replies.
+
+Fault injection (`shared/faults.py`) hooks into `publish` and `Consumer`; it costs one attribute check
+while it is off, which it is unless a test or an operator turns it on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from shared import subjects, telemetry
+from shared.config import ack_wait as ack_wait_default
+from shared.crash import crash_point
+from shared.errors import transient
+from shared.faults import FAULTS
 from shared.messages import BadMessage, Envelope, Model, Reply, decode, encode, envelope
 
 log = logging.getLogger(__name__)
@@ -127,6 +134,8 @@ async def publish(
 ) -> api.PubAck:
     env = envelope(body, source, msg_id_for(key) if key else None)
     with telemetry.span(f"send {subject}", **{"messaging.destination.name": subject}):
+        if FAULTS.active:
+            return await FAULTS.publish(js, subject, encode(env), headers_for(env))
         return await js.publish(subject, encode(env), headers=headers_for(env))
 
 
@@ -149,7 +158,7 @@ class Consumer:
         handler: Handler,
         expect: type[Model] | tuple[type[Model], ...] | None = None,
         max_deliver: int = 8,
-        ack_wait: float = 30.0,
+        ack_wait: float | None = None,
         batch: int = 64,
         verify: Callable[[str, Any], str | None] | None = None,
     ) -> None:
@@ -161,10 +170,12 @@ class Consumer:
         self.handler = handler
         self.expect = expect
         self.max_deliver = max_deliver
-        self.ack_wait = ack_wait
+        self.ack_wait = ack_wait if ack_wait is not None else ack_wait_default()
+        """How long JetStream waits for an ack before redelivering (RACKPLANE_ACK_WAIT by default)."""
         self.batch = batch
         self.verify = verify
         """Checks a valid message against its subject; a reason means it is dead-lettered unhandled."""
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         config = api.ConsumerConfig(
@@ -186,7 +197,7 @@ class Consumer:
                 if sub is None:
                     sub = await self._subscribe()
                 msgs = await sub.fetch(self.batch, timeout=1.0)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nothing to fetch (nats-py may raise a bare one when its deadline ran out)
                 continue
             except asyncio.CancelledError:
                 raise
@@ -197,7 +208,12 @@ class Consumer:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                await self.handle(msg)
+                if FAULTS.active and FAULTS.slows(msg):  # so that its redelivery overtakes it: see faults.py
+                    task = asyncio.create_task(self.handle(msg))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                else:
+                    await self.handle(msg)
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -214,6 +230,8 @@ class Consumer:
                 msg.headers,
                 **{"messaging.destination.name": msg.subject, "messaging.message.id": str(env.id)},
             ):
+                if FAULTS.active:
+                    await FAULTS.before_handler(msg)
                 await self.handler(env, body, msg)
         except Retry as r:
             telemetry.count(f"{self.durable}.retried")
@@ -223,12 +241,20 @@ class Consumer:
             raise
         except Exception as e:
             delivered = msg.metadata.num_delivered
+            if transient(e):  # the database or broker is away: retry for as long as it takes
+                log.warning("%s/%s: handler waits for the infrastructure: %s", self.service, self.durable, e)
+                telemetry.count(f"{self.durable}.transient_errors")
+                await _settle(msg.nak(delay=min(0.1 * 2**delivered, 2.0)))
+                return
             log.exception("%s/%s: handler failed (delivery %d)", self.service, self.durable, delivered)
             if delivered >= self.max_deliver:
                 await self._dead_letter(msg, f"handler failed {delivered} times: {type(e).__name__}: {e}")
             else:
                 await _settle(msg.nak(delay=min(0.1 * 2**delivered, 5.0)))
             return
+        if FAULTS.active and FAULTS.holds_ack(msg):
+            return  # held back on purpose: JetStream redelivers it after ack_wait
+        crash_point(f"after-commit:{self.durable}")
         await _settle(msg.ack())
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:

@@ -13,14 +13,14 @@ from deploy.stack import Stack
 from rackctl.client import Client
 from shared.bus import CommandError
 from shared.messages import Quota
-from tests.conftest import GiB, assert_invariants, eventually, make_stack, wait_state
+from tests.conftest import GiB, assert_invariants, eventually, make_stack, usage_is, wait_state
 
 STEPS = ["charge", "place", "create_vmm", "ensure_on_sled"]
 
 
 @pytest.fixture(scope="module")
 async def crashy() -> AsyncIterator[tuple[Stack, Client, asyncpg.Pool]]:
-    stack = make_stack("crash")
+    stack = make_stack("crash", RACKPLANE_ACK_WAIT="2")  # unacked messages come back within seconds
     stack.start()
     client = await Client.connect(stack.nats_url)
     db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=2)
@@ -45,7 +45,7 @@ async def test_a_start_saga_resumes_after_a_crash_before_each_step(
 
     im = stack.services["instance_manager"]
     im.stop()
-    stack.env["RACKPLANE_CRASH_BEFORE_STEP"] = f"instance-start/{step}"
+    stack.env["RACKPLANE_CRASH_AT"] = f"saga:instance-start/{step}"
     stack.start_service("instance_manager")
     stack.wait_ready(("instance_manager",))
     client.timeout = 2.0
@@ -57,15 +57,15 @@ async def test_a_start_saga_resumes_after_a_crash_before_each_step(
         client.timeout = 15.0
     await eventually(lambda: _dead(stack), timeout=15)
 
-    del stack.env["RACKPLANE_CRASH_BEFORE_STEP"]
+    del stack.env["RACKPLANE_CRASH_AT"]
     stack.start_service("instance_manager")
     stack.wait_ready(("instance_manager",))
     await wait_state(client, silo, proj, name, "running", timeout=20)
     await assert_invariants(db)
 
 
-async def _dead(stack: Stack) -> bool:
-    return not stack.services["instance_manager"].alive
+async def _dead(stack: Stack, service: str = "instance_manager") -> bool:
+    return not stack.services[service].alive
 
 
 async def test_an_unwinding_saga_finishes_unwinding_after_a_crash(
@@ -78,7 +78,7 @@ async def test_an_unwinding_saga_finishes_unwinding_after_a_crash(
     await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
 
     stack.services["instance_manager"].stop()
-    stack.env["RACKPLANE_CRASH_BEFORE_STEP"] = "instance-start/undo:interlock"
+    stack.env["RACKPLANE_CRASH_AT"] = "saga:instance-start/undo:interlock"
     stack.start_service("instance_manager")
     stack.wait_ready(("instance_manager",))
     client.timeout = 2.0
@@ -90,9 +90,46 @@ async def test_an_unwinding_saga_finishes_unwinding_after_a_crash(
         client.timeout = 15.0
     await eventually(lambda: _dead(stack), timeout=15)
 
-    del stack.env["RACKPLANE_CRASH_BEFORE_STEP"]
+    del stack.env["RACKPLANE_CRASH_AT"]
     stack.start_service("instance_manager")
     stack.wait_ready(("instance_manager",))
     stopped = await wait_state(client, silo, proj, name, "stopped", timeout=20)
     assert "vCPU quota exceeded" in stopped["last_error"]
+    await assert_invariants(db)
+
+
+async def test_accounting_killed_between_commit_and_ack_counts_the_charge_once(
+    crashy: tuple[Stack, Client, asyncpg.Pool],
+) -> None:
+    """The charge commits, the process dies before acking it: JetStream redelivers it to the next
+    process, whose generation fence recognises it as a repeat. Charged once; the start completes."""
+    stack, client, db = crashy
+    silo, proj, name = "crash-acct", "p", "vm"
+    await client.silo_create(silo)
+    await client.project_create(silo, proj)
+    await client.instance_create(silo, proj, name, vcpus=3, ram_bytes=GiB, disk_bytes=GiB)
+
+    stack.services["accounting"].stop()
+    stack.env["RACKPLANE_CRASH_AT"] = "after-commit:accounting-deltas"
+    stack.start_service("accounting")
+    stack.wait_ready(("accounting",))
+    client.timeout = 2.0
+    try:
+        await client.instance("start", silo, proj, name)
+    except CommandError:
+        pass  # the reply waits for the charge, which waits for accounting to come back
+    finally:
+        client.timeout = 15.0
+    await eventually(lambda: _dead(stack, "accounting"), timeout=15)
+
+    del stack.env["RACKPLANE_CRASH_AT"]
+    stack.start_service("accounting")
+    stack.wait_ready(("accounting",))
+    await wait_state(client, silo, proj, name, "running", timeout=20)
+
+    async def redelivered_and_recognised() -> bool:
+        return (await client.stats("accounting"))["counters"].get("deltas.duplicate", 0) >= 1
+
+    await eventually(redelivered_and_recognised, timeout=15)
+    await usage_is(client, {"vcpus": 3, "ram_bytes": GiB, "disk_bytes": GiB}, silo)
     await assert_invariants(db)

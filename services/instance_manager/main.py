@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from services.instance_manager.start_saga import START
 from shared import bus, db, subjects
 from shared.config import Settings
 from shared.messages import Envelope, ProvisionOutcome, SledInventory, VmmReport
-from shared.service import run_forever, serve_stats
+from shared.service import run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 SCHEMA = "instance_manager"
@@ -34,23 +32,7 @@ async def build(settings: Settings) -> App:
     app = App(pool, nc, js, settings.database_url)
     app.sagas.register(CREATE)
     app.sagas.register(START)
-    if crash_at := os.environ.get("RACKPLANE_CRASH_BEFORE_STEP"):
-        app.sagas.before_step = crash_before(set(crash_at.split(",")))
     return app
-
-
-def crash_before(points: set[str]) -> Callable[[str, str], Awaitable[None]]:
-    """Fault injection for tests: die as kill -9 would just before a saga step.
-
-    `points` holds "kind/step" or "kind/undo:step" names.
-    """
-
-    async def hook(kind: str, step: str) -> None:
-        if f"{kind}/{step}" in points:
-            log.warning("crashing before %s/%s, as RACKPLANE_CRASH_BEFORE_STEP asks", kind, step)
-            os._exit(137)
-
-    return hook
 
 
 def consumers(app: App) -> list[bus.Consumer]:
@@ -104,6 +86,7 @@ async def main(settings: Settings) -> None:
     pools = Pools(app, keeper)
     await Commands(app, pools).serve()
     await pools.serve()
+    await serve_faults(app.nc, SOURCE)
     await serve_stats(app.nc, SOURCE)
     log.info("instance-manager ready")
     await run_forever(

@@ -28,6 +28,7 @@ from typing import Any
 import asyncpg
 
 from shared import telemetry
+from shared.crash import crash_point
 from shared.db import queries
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,6 @@ class Executor:
     _running: dict[uuid.UUID, asyncio.Task[str]] = field(default_factory=dict)
     _lock_conn: asyncpg.Connection | None = None
     _lock_guard: asyncio.Lock = field(default_factory=asyncio.Lock)
-    before_step: Callable[[str, str], Awaitable[None]] | None = None
-    """A hook run before each step (kind, step name): fault injection and tests use it."""
 
     def register(self, saga: Saga) -> None:
         self.kinds[saga.kind] = saga
@@ -200,8 +199,7 @@ class Executor:
             forward = row["status"] == "running"
             step = saga.steps[row["cursor"]]
             try:
-                if self.before_step is not None:
-                    await self.before_step(saga.kind, step.name if forward else f"undo:{step.name}")
+                crash_point(f"saga:{saga.kind}/{step.name if forward else f'undo:{step.name}'}")
                 with telemetry.span(
                     f"saga {saga.kind} {'' if forward else 'undo '}{step.name}",
                     row["trace"],

@@ -1,0 +1,23 @@
+"""Crash points: named places where a test can make a process die as kill -9 would, to prove that what
+was committed before that point, and only that, survives.
+
+`RACKPLANE_CRASH_AT` lists the points, comma-separated. Off (empty) in every real deployment. Points:
+  saga:<kind>/<step>          before a saga step runs (`saga:instance-start/undo:interlock` for an undo)
+  after-commit:<consumer>     after a stream handler's transaction committed, before its ack
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+POINTS = frozenset(p for p in os.environ.get("RACKPLANE_CRASH_AT", "").split(",") if p)
+
+
+def crash_point(name: str) -> None:
+    if name in POINTS:
+        log.warning("crashing at %s, as RACKPLANE_CRASH_AT asks", name)
+        logging.shutdown()
+        os._exit(137)
