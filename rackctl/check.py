@@ -2,14 +2,21 @@
 
 It is an auditor, so unlike the services it reads across schemas (read-only). Each check returns one line
 per violation; an empty list means the invariant holds. Checks marked "at rest" hold only once the system
-is quiet (no saga or message in flight).
+is quiet (no saga or message in flight). The broker checks (`BROKER_AT_REST`) also read JetStream: what
+was published was consumed, and what the sleds run has a record. `rackctl check` runs them all.
 """
 
 from __future__ import annotations
 
-import asyncpg
+from typing import Any
 
-from shared.messages import CHARGED_STATES
+import asyncpg
+import nats.js.errors
+from nats.js import JetStreamContext
+
+from shared import subjects
+from shared.config import transition_timeout
+from shared.messages import CHARGED_STATES, BadMessage, SledInventory, decode
 
 
 async def totals_match_ledger(conn: asyncpg.Connection) -> list[str]:
@@ -126,12 +133,193 @@ async def no_unfinished_sagas(conn: asyncpg.Connection) -> list[str]:
     return [f"saga {r['kind']} {r['id']} still {r['status']}" for r in rows]
 
 
-ALWAYS = (totals_match_ledger, quotas_respected, one_live_vmm)
-AT_REST = (charges_follow_instances, reservations_match_vmms, no_unfinished_sagas)
+async def totals_never_negative(conn: asyncpg.Connection) -> list[str]:
+    """No total (project, silo, fleet) and no instance's charge is below zero."""
+    rows = await conn.fetch(
+        """
+        SELECT 'project ' || id AS what, vcpus, ram_bytes, disk_bytes FROM accounting.projects
+        UNION ALL SELECT 'silo ' || name, vcpus, ram_bytes, disk_bytes FROM accounting.silos
+        UNION ALL SELECT 'fleet', vcpus, ram_bytes, disk_bytes FROM accounting.fleet
+        UNION ALL SELECT 'charge of instance ' || instance_id, vcpus, ram_bytes, disk_bytes
+            FROM accounting.instance_charges
+        """
+    )
+    return [
+        f"{r['what']} is below zero: ({r['vcpus']}, {r['ram_bytes']}, {r['disk_bytes']})"
+        for r in rows
+        if min(r["vcpus"], r["ram_bytes"], r["disk_bytes"]) < 0
+    ]
 
 
-async def check(conn: asyncpg.Connection, *, at_rest: bool = True) -> list[str]:
+async def no_stuck_transitions(conn: asyncpg.Connection) -> list[str]:
+    """At rest: no instance stays starting or stopping longer than the transition timeout (recovery acts
+    on it by then)."""
+    rows = await conn.fetch(
+        """
+        SELECT id, name, state, extract(epoch FROM now() - updated_at) AS age
+        FROM instance_manager.instances
+        WHERE state IN ('starting', 'stopping') AND updated_at < now() - make_interval(secs => $1)
+        """,
+        transition_timeout(),
+    )
+    return [
+        f"instance {r['name']} ({r['id']}) has been {r['state']} for {r['age']:.0f}s "
+        f"(transition timeout {transition_timeout():g}s)"
+        for r in rows
+    ]
+
+
+async def outboxes_empty(conn: asyncpg.Connection) -> list[str]:
+    """At rest: every service's outbox is empty, so every message that followed a commit was published."""
+    schemas = await conn.fetch(
+        "SELECT table_schema FROM information_schema.tables WHERE table_name = 'outbox' ORDER BY 1"
+    )
+    out = []
+    for r in schemas:
+        left = await conn.fetchval(f'SELECT count(*) FROM "{r["table_schema"]}".outbox')
+        if left:
+            out.append(f"outbox of {r['table_schema']}: {left} committed message(s) not published")
+    return out
+
+
+ALWAYS = (totals_match_ledger, totals_never_negative, quotas_respected, one_live_vmm)
+AT_REST = (
+    charges_follow_instances,
+    reservations_match_vmms,
+    no_unfinished_sagas,
+    no_stuck_transitions,
+    outboxes_empty,
+)
+
+
+# --- what the broker holds (at rest) ----------------------------------------------------------------------
+
+CONSUMERS = {
+    "instance-manager-vmm-reports": subjects.SLED_REPORT_STREAM,
+    "instance-manager-inventory": subjects.SLED_REPORT_STREAM,
+    "instance-manager-outcomes": subjects.EVENTS_STREAM,
+    "accounting-deltas": subjects.PROVISION_STREAM,
+    "accounting-silos": subjects.EVENTS_STREAM,
+    "accounting-projects": subjects.EVENTS_STREAM,
+    "recovery-instances": subjects.EVENTS_STREAM,
+    "recovery-inventory": subjects.SLED_REPORT_STREAM,
+    "recovery-sleds": subjects.EVENTS_STREAM,
+}
+"""The services' fixed durable consumers (the sleds' own, `sled-agent-<sled>`, come and go with them)."""
+
+
+async def consumers_settled(js: JetStreamContext) -> list[str]:
+    """At rest: every durable consumer of rackplane's streams has nothing pending and nothing unacked, so
+    everything published was consumed and settled: applied, dropped as stale or duplicate by its handler,
+    or dead-lettered with its reason (the DLQ stream keeps those)."""
+    out = []
+    seen: set[str] = set()
+    for stream in subjects.STREAMS:
+        try:
+            infos = await _consumers_of(js, stream)
+        except Exception as e:
+            out.append(f"stream {stream}: cannot read its consumers: {type(e).__name__}: {e}")
+            continue
+        for c in infos:
+            seen.add(c.name)
+            if c.num_pending or c.num_ack_pending:
+                out.append(
+                    f"consumer {c.name} on {stream}: {c.num_pending or 0} message(s) not delivered, "
+                    f"{c.num_ack_pending or 0} not acknowledged"
+                )
+    for durable, stream in CONSUMERS.items():
+        if durable not in seen:
+            out.append(f"consumer {durable} on {stream}: cannot read it (not on the broker)")
+    return out
+
+
+async def _consumers_of(js: JetStreamContext, stream: str) -> list[Any]:
+    infos: list[Any] = []
+    while True:
+        page = await js.consumers_info(stream, offset=len(infos))
+        infos += page
+        if len(page) < 256:
+            return infos
+
+
+async def no_zombie_vmms(conn: asyncpg.Connection, js: JetStreamContext) -> list[str]:
+    """At rest: every VMM a sled runs, by its latest inventory, has a live record on that sled. A record
+    that ended after the inventory was made does not count against it (the inventory predates the end);
+    expunged sleds are out of the rack and not checked."""
+    inventories, out = await _latest_inventories(js)
+    expunged = {
+        r["id"] for r in await conn.fetch("SELECT id FROM instance_manager.sleds WHERE state = 'expunged'")
+    }
+    for sent_at, inv in inventories:
+        if inv.sled_id in expunged or not inv.vmms:
+            continue
+        records = {
+            r["id"]: r
+            for r in await conn.fetch(
+                "SELECT id, sled_id, ended_at FROM instance_manager.vmms WHERE id = ANY($1::uuid[])",
+                [v.vmm_id for v in inv.vmms],
+            )
+        }
+        for v in inv.vmms:
+            r = records.get(v.vmm_id)
+            if r is None:
+                why = "no record"
+            elif r["sled_id"] != inv.sled_id:
+                why = f"its record places it on {r['sled_id']}"
+            elif r["ended_at"] is not None and r["ended_at"] < sent_at:
+                why = f"its record ended at {r['ended_at'].isoformat()}"
+            else:
+                continue
+            out.append(
+                f"sled {inv.sled_id}: VMM {v.vmm_id} of instance {v.instance_id} is {v.state.value} "
+                f"without a live record (zombie): {why}"
+            )
+    return out
+
+
+async def _latest_inventories(js: JetStreamContext) -> tuple[list[tuple[Any, SledInventory]], list[str]]:
+    """The last inventory of each sled in SLED_REPORT, with when it was made; and what could not be read."""
+    found: list[tuple[Any, SledInventory]] = []
+    problems: list[str] = []
+    pattern = subjects.sled_report("*", "inventory")
+    try:
+        info = await js.stream_info(subjects.SLED_REPORT_STREAM, subjects_filter=pattern)
+    except Exception as e:
+        return [], [f"stream {subjects.SLED_REPORT_STREAM}: cannot read it: {type(e).__name__}: {e}"]
+    for subject in sorted(info.state.subjects or {}):
+        try:
+            raw = await js.get_last_msg(subjects.SLED_REPORT_STREAM, subject)
+            env, inv = decode(raw.data or b"", SledInventory)
+        except nats.js.errors.NotFoundError:
+            continue  # aged out of the stream
+        except BadMessage as e:
+            problems.append(f"last inventory on {subject} is unreadable: {e.reason}")
+            continue
+        except Exception as e:
+            problems.append(f"last inventory on {subject}: cannot read it: {type(e).__name__}: {e}")
+            continue
+        assert isinstance(inv, SledInventory)
+        found.append((env.time, inv))
+    return found, problems
+
+
+BROKER_AT_REST = (consumers_settled, no_zombie_vmms)
+
+
+async def check(
+    conn: asyncpg.Connection, *, at_rest: bool = True, js: JetStreamContext | None = None
+) -> list[str]:
+    """Every check's violations. With `js`, the broker checks too (at rest only)."""
     out: list[str] = []
     for f in ALWAYS + (AT_REST if at_rest else ()):
         out += await f(conn)
+    if at_rest and js is not None:
+        out += await consumers_settled(js)
+        out += await no_zombie_vmms(conn, js)
     return out
+
+
+def names(*, at_rest: bool = True, broker: bool = True) -> list[str]:
+    """The checks `check` runs with these options, by name."""
+    chosen: tuple[Any, ...] = ALWAYS + (AT_REST + (BROKER_AT_REST if broker else ()) if at_rest else ())
+    return [f.__name__ for f in chosen]

@@ -199,7 +199,7 @@ class Client:
     # --- fault injection (testing only) ---
 
     async def faults(self, service: str, body: ServiceFaults | None = None) -> Any:
-        """Set a service's faults (`body`), or only read them: `{service, active, faults, counters}`."""
+        """Set a service's faults (`body`), or only read them: `{service, active, faults, counters, ...}`."""
         return await self.call(subjects.faults(service), body or ServiceFaults())
 
     async def faults_status(self, timeout: float = 2.0) -> list[dict[str, Any]]:

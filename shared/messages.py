@@ -634,15 +634,16 @@ class StatsGet(Model):
 
 # --- fault injection (request/reply, rp.svc.<service>.faults) -------------------------------------------
 
-Seconds = Annotated[float, Field(ge=0, le=60)]
+HoldSeconds = Annotated[float, Field(ge=0, le=5)]
+"""How long a fault may hold a message: the outbox relay gives up on a batch not acked within 10 s."""
 SubjectPrefix = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s]+$")]
 
 
 class DelayFault(Model):
     """Hold each outgoing message for a time drawn uniformly from [min_seconds, max_seconds]."""
 
-    min_seconds: Seconds
-    max_seconds: Seconds
+    min_seconds: HoldSeconds
+    max_seconds: HoldSeconds
 
     @model_validator(mode="after")
     def _ordered(self) -> DelayFault:
@@ -657,7 +658,7 @@ class DuplicateFault(Model):
     copies: Annotated[int, Field(ge=0, le=10)]
     bypass_dedupe: bool = False
     """Give each copy its own Nats-Msg-Id, so that the broker keeps it and the consumers must drop it."""
-    copy_delay_seconds: Seconds = 0.05
+    copy_delay_seconds: HoldSeconds = 0.05
 
 
 class ReorderFault(Model):
@@ -665,7 +666,7 @@ class ReorderFault(Model):
     release them shuffled. A window of 0 turns it off."""
 
     window: Annotated[int, Field(ge=0, le=1000)]
-    max_hold_seconds: Annotated[float, Field(gt=0, le=60)] = 0.5
+    max_hold_seconds: Annotated[float, Field(gt=0, le=5)] = 0.5
 
 
 class HoldAcksFault(Model):

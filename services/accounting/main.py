@@ -13,7 +13,7 @@ from services.accounting.ledger import SOURCE, Q, UnknownSilo, apply_delta
 from shared import bus, db, subjects
 from shared.config import Settings
 from shared.messages import Envelope, ProjectCreated, ProvisionDelta, SiloCreated, UsageGet
-from shared.service import run_forever, serve_stats
+from shared.service import run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 SCHEMA = "accounting"
@@ -95,6 +95,7 @@ async def main(settings: Settings) -> None:
         return await usage(pool, body)
 
     await bus.serve(nc, subjects.command_pattern("usage"), {UsageGet: on_usage}, queue=SOURCE)
+    await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE)
     common: dict[str, Any] = {"service": SOURCE}
     log.info("accounting ready")

@@ -14,7 +14,7 @@ from services.recovery.reconcile import SOURCE, Q, Reconciler
 from shared import bus, db, subjects
 from shared.config import Settings
 from shared.messages import Envelope, InstanceChanged, SledChanged, SledInventory
-from shared.service import run_forever, serve_stats
+from shared.service import run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 SCHEMA = "recovery"
@@ -52,6 +52,7 @@ async def main(settings: Settings) -> None:
     async def stats() -> dict[str, Any]:
         return {"failed": await pool.fetchval("SELECT count(*) FROM instances WHERE state = 'failed'")}
 
+    await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE, stats)
     common: dict[str, Any] = {"service": SOURCE, "verify": None}
     log.info("recovery ready")
