@@ -134,9 +134,16 @@ async def counter(client: Client, service: str, name: str) -> int:
 async def usage_is(
     client: Client, expected: dict[str, int], silo: str | None = None, project: str | None = None
 ) -> None:
-    """Charges follow state through the outbox and accounting's stream: wait for them to land."""
+    """Charges follow state through the outbox and accounting's stream: wait for them to land (and, for
+    a project just created, for accounting to learn its name from the project's event)."""
+    from shared.bus import CommandError
 
     async def check() -> bool:
-        return (await client.usage(silo, project))["usage"] == expected
+        try:
+            return (await client.usage(silo, project))["usage"] == expected
+        except CommandError as e:
+            if e.code != "not_found":
+                raise
+            return False
 
     await eventually(check, timeout=10)
