@@ -8,6 +8,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 from shared import telemetry
@@ -90,3 +91,22 @@ async def serve_faults(nc: Any, service: str) -> None:
         return {"service": service, **FAULTS.describe()}
 
     await bus.serve(nc, subjects.faults(service), {ServiceFaults: answer}, queue="", check_silo=False)
+
+
+async def connect_bus(settings: Settings, service: str) -> tuple[Any, Any]:
+    """The service's NATS connection and JetStream context, with the streams in place."""
+    from shared import bus
+
+    nc = await bus.connect(settings.nats_url, service)
+    js = nc.jetstream()
+    await bus.ensure_streams(js)
+    return nc, js
+
+
+async def open_database(settings: Settings, schema: str, migrations: Path) -> Any:
+    """A pool on the service's own schema, its migrations applied."""
+    from shared import db
+
+    pool = await db.create_pool(settings.database_url, schema)
+    await db.migrate(pool, schema, migrations)
+    return pool

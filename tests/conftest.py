@@ -12,6 +12,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,36 @@ FAST = {
 }
 
 
+Rack = tuple[Stack, Client, asyncpg.Pool]
+
+
 def make_stack(name: str, **env: str) -> Stack:
     base = Path(tempfile.mkdtemp(prefix=f"rackplane-{name}-"))
     os.chmod(base, 0o755)
     return Stack(base, env={**FAST, **env})
+
+
+@asynccontextmanager
+async def private_rack(name: str, *, timeout: float = 15.0, **env: str) -> AsyncIterator[Rack]:
+    """A stack of its own (and a client and a database pool on it), for tests that reboot, kill, inject
+    faults or restart the broker or the database; it waits until every simulated sled has registered."""
+    stack = make_stack(name, **env)
+    stack.start()
+    client = await Client.connect(stack.nats_url, timeout=timeout)
+    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
+    try:
+        await eventually(lambda: sleds_known(client, int(env.get("RACKPLANE_SLEDS", "8"))), timeout=20)
+        yield stack, client, db
+    finally:
+        await db.close()
+        await client.close()
+        stack.stop()
+        if os.environ.get("RACKPLANE_KEEP_LOGS") is None:
+            shutil.rmtree(stack.dir, ignore_errors=True)
+
+
+async def sleds_known(client: Client, n: int) -> bool:
+    return len(await client.sled_list()) >= n
 
 
 @pytest.fixture(scope="session")

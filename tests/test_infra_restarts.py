@@ -4,35 +4,19 @@ and everything in flight converges once they are back."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 from collections.abc import AsyncIterator, Callable
 
-import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from rackctl.client import Client
 from shared.bus import CommandError
-from tests.conftest import GiB, assert_invariants, make_stack, unique, usage_is, wait_state
-
-Rack = tuple[Stack, Client, asyncpg.Pool]
+from tests.conftest import GiB, Rack, assert_invariants, private_rack, unique, usage_is, wait_state
 
 
 @pytest.fixture
 async def rack() -> AsyncIterator[Rack]:
-    stack = make_stack("restarts", RACKPLANE_SLEDS="3")
-    stack.start()
-    client = await Client.connect(stack.nats_url)
-    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
-    try:
-        yield stack, client, db
-    finally:
-        await db.close()
-        await client.close()
-        stack.stop()
-        if not os.environ.get("RACKPLANE_KEEP_LOGS"):
-            shutil.rmtree(stack.dir, ignore_errors=True)
+    async with private_rack("restarts", RACKPLANE_SLEDS="3") as made:
+        yield made
 
 
 async def retrying(call: Callable[[], object], timeout: float = 30) -> object:

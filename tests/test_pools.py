@@ -4,20 +4,16 @@ customer data). Each test has its own stack: they fill pools, inject faults and 
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import pytest
 
-from deploy.stack import Stack
 from rackctl.client import Client
 from shared.bus import CommandError
 from shared.messages import SimFaults
-from tests.conftest import GiB, assert_invariants, eventually, make_stack, unique
+from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, unique
 
-Rack = tuple[Stack, Client, asyncpg.Pool]
 CHARGE_OF = (
     "SELECT vcpus, ram_bytes, disk_bytes, generation FROM accounting.instance_charges WHERE instance_id = $1"
 )
@@ -25,22 +21,8 @@ CHARGE_OF = (
 
 @pytest.fixture
 async def rack() -> AsyncIterator[Rack]:
-    stack = make_stack("pools", RACKPLANE_SLEDS="2")
-    stack.start()
-    client = await Client.connect(stack.nats_url)
-    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
-    try:
-        await eventually(lambda: _sleds(client, 2))
-        yield stack, client, db
-    finally:
-        await db.close()
-        await client.close()
-        stack.stop()
-        shutil.rmtree(stack.dir, ignore_errors=True)
-
-
-async def _sleds(client: Client, n: int) -> bool:
-    return len(await client.sled_list()) >= n
+    async with private_rack("pools", RACKPLANE_SLEDS="2") as made:
+        yield made
 
 
 async def pool_of(client: Client, size: int) -> tuple[str, str, str]:

@@ -4,46 +4,40 @@ instances come back by policy). Each test gets its own stack: they reboot, freez
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import asyncpg
 import pytest
 
-from deploy.stack import Stack
 from rackctl.client import Client
 from shared.messages import AutoRestart, SimFaults
-from tests.conftest import GiB, assert_invariants, eventually, make_stack, unique, usage_is, wait_state
+from tests.conftest import (
+    GiB,
+    Rack,
+    assert_invariants,
+    eventually,
+    private_rack,
+    sleds_known,
+    unique,
+    usage_is,
+    wait_state,
+)
 
 Env = dict[str, str]
-MakeRack = Callable[..., Awaitable[tuple[Stack, Client, asyncpg.Pool]]]
+MakeRack = Callable[..., Awaitable[Rack]]
 
 
 @pytest.fixture
 async def rack() -> AsyncIterator[MakeRack]:
-    made: list[tuple[Stack, Client, asyncpg.Pool]] = []
+    """Each test builds the rack it needs (how many sleds, which timings)."""
+    async with contextlib.AsyncExitStack() as racks:
 
-    async def make(**env: str) -> tuple[Stack, Client, asyncpg.Pool]:
-        stack = make_stack("recovery", **env)
-        stack.start()
-        client = await Client.connect(stack.nats_url)
-        db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
-        made.append((stack, client, db))
-        await eventually(lambda: _sleds_known(client, int(env.get("RACKPLANE_SLEDS", "8"))))
-        return stack, client, db
+        async def make(**env: str) -> Rack:
+            return await racks.enter_async_context(private_rack("recovery", **env))
 
-    yield make
-    for stack, client, db in made:
-        await db.close()
-        await client.close()
-        stack.stop()
-        shutil.rmtree(stack.dir, ignore_errors=True)
-
-
-async def _sleds_known(client: Client, n: int) -> bool:
-    return len(await client.sled_list()) >= n
+        yield make
 
 
 async def new_project(client: Client) -> tuple[str, str]:
@@ -81,7 +75,7 @@ async def test_a_rebooted_sled_fails_its_instances_and_policy_brings_them_back(r
     assert {i["sled_id"] for i in (await states(client, silo, proj)).values()} == {"sled-0"}
     await client.sim_sled("add", vcpus=64, ram_bytes=256 * GiB)
     await client.sim_sled("add", vcpus=64, ram_bytes=256 * GiB)
-    await eventually(lambda: _sleds_known(client, 3))
+    await eventually(lambda: sleds_known(client, 3))
 
     await client.sim_sled("reboot", "sled-0")
 

@@ -3,40 +3,26 @@ comes back, and leaves no leaked charge, reservation or VMM."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import AsyncIterator
 
-import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from rackctl.client import Client
 from shared.bus import CommandError
 from shared.messages import Quota
-from tests.conftest import GiB, assert_invariants, eventually, make_stack, usage_is, wait_state
+from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, usage_is, wait_state
 
 STEPS = ["charge", "place", "create_vmm", "ensure_on_sled"]
 
 
 @pytest.fixture(scope="module")
-async def crashy() -> AsyncIterator[tuple[Stack, Client, asyncpg.Pool]]:
-    stack = make_stack("crash", RACKPLANE_ACK_WAIT="2")  # unacked messages come back within seconds
-    stack.start()
-    client = await Client.connect(stack.nats_url)
-    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=2)
-    try:
-        yield stack, client, db
-    finally:
-        await db.close()
-        await client.close()
-        stack.stop()
-        shutil.rmtree(stack.dir, ignore_errors=True)
+async def crashy() -> AsyncIterator[Rack]:
+    async with private_rack("crash", RACKPLANE_ACK_WAIT="2") as rack:  # unacked messages come back fast
+        yield rack
 
 
 @pytest.mark.parametrize("step", STEPS)
-async def test_a_start_saga_resumes_after_a_crash_before_each_step(
-    crashy: tuple[Stack, Client, asyncpg.Pool], step: str
-) -> None:
+async def test_a_start_saga_resumes_after_a_crash_before_each_step(crashy: Rack, step: str) -> None:
     stack, client, db = crashy
     silo, proj, name = f"crash-{step.replace('_', '-')}", "p", "vm"
     await client.silo_create(silo)
@@ -69,7 +55,7 @@ async def _dead(stack: Stack, service: str = "instance_manager") -> bool:
 
 
 async def test_an_unwinding_saga_finishes_unwinding_after_a_crash(
-    crashy: tuple[Stack, Client, asyncpg.Pool],
+    crashy: Rack,
 ) -> None:
     stack, client, db = crashy
     silo, proj, name = "crash-unwind", "p", "vm"
@@ -99,7 +85,7 @@ async def test_an_unwinding_saga_finishes_unwinding_after_a_crash(
 
 
 async def test_accounting_killed_between_commit_and_ack_counts_the_charge_once(
-    crashy: tuple[Stack, Client, asyncpg.Pool],
+    crashy: Rack,
 ) -> None:
     """The charge commits, the process dies before acking it: JetStream redelivers it to the next
     process, whose generation fence recognises it as a repeat. Charged once; the start completes."""

@@ -13,7 +13,7 @@ from services.accounting.ledger import SOURCE, Q, UnknownSilo, apply_delta
 from shared import bus, db, subjects
 from shared.config import Settings
 from shared.messages import Envelope, ProjectCreated, ProvisionDelta, SiloCreated, UsageGet
-from shared.service import run_forever, serve_faults, serve_stats
+from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 SCHEMA = "accounting"
@@ -64,11 +64,8 @@ async def usage(pool: asyncpg.Pool, body: UsageGet) -> dict[str, Any]:
 
 
 async def main(settings: Settings) -> None:
-    pool = await db.create_pool(settings.database_url, SCHEMA)
-    await db.migrate(pool, SCHEMA, Path(__file__).parent / "migrations")
-    nc = await bus.connect(settings.nats_url, SOURCE)
-    js = nc.jetstream()
-    await bus.ensure_streams(js)
+    pool = await open_database(settings, SCHEMA, Path(__file__).parent / "migrations")
+    nc, js = await connect_bus(settings, SOURCE)
     relay = db.OutboxRelay(pool, js)
 
     async def on_delta(env: Envelope, d: ProvisionDelta, msg: Msg) -> None:

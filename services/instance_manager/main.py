@@ -14,21 +14,18 @@ from services.instance_manager.commands import Commands
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.pools import Keeper, Pools
 from services.instance_manager.start_saga import START
-from shared import bus, db, subjects
+from shared import bus, subjects
 from shared.config import Settings
 from shared.messages import Envelope, ProvisionOutcome, SledInventory, VmmReport
-from shared.service import run_forever, serve_faults, serve_stats
+from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 SCHEMA = "instance_manager"
 
 
 async def build(settings: Settings) -> App:
-    pool = await db.create_pool(settings.database_url, SCHEMA)
-    await db.migrate(pool, SCHEMA, Path(__file__).parent / "migrations")
-    nc = await bus.connect(settings.nats_url, SOURCE)
-    js = nc.jetstream()
-    await bus.ensure_streams(js)
+    pool = await open_database(settings, SCHEMA, Path(__file__).parent / "migrations")
+    nc, js = await connect_bus(settings, SOURCE)
     app = App(pool, nc, js, settings.database_url)
     app.sagas.register(CREATE)
     app.sagas.register(START)

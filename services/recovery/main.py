@@ -11,21 +11,18 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from services.recovery.reconcile import SOURCE, Q, Reconciler
-from shared import bus, db, subjects
+from shared import bus, subjects
 from shared.config import Settings
 from shared.messages import Envelope, InstanceChanged, SledChanged, SledInventory
-from shared.service import run_forever, serve_faults, serve_stats
+from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 SCHEMA = "recovery"
 
 
 async def main(settings: Settings) -> None:
-    pool = await db.create_pool(settings.database_url, SCHEMA)
-    await db.migrate(pool, SCHEMA, Path(__file__).parent / "migrations")
-    nc = await bus.connect(settings.nats_url, SOURCE)
-    js = nc.jetstream()
-    await bus.ensure_streams(js)
+    pool = await open_database(settings, SCHEMA, Path(__file__).parent / "migrations")
+    nc, js = await connect_bus(settings, SOURCE)
     reconciler = Reconciler(pool, nc, settings.database_url)
 
     async def on_instance(env: Envelope, e: InstanceChanged, msg: Msg) -> None:

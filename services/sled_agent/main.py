@@ -32,7 +32,7 @@ from shared.messages import (
     VmmStop,
     schema_of,
 )
-from shared.service import run_forever, serve_faults, serve_stats
+from shared.service import connect_bus, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +195,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
 
 
 async def main(settings: Settings) -> None:
-    nc = await bus.connect(settings.nats_url, "sled-agent")
-    js = nc.jetstream()
-    await bus.ensure_streams(js)
+    nc, js = await connect_bus(settings, SOURCE)
     state_dir = os.environ.get("RACKPLANE_SIM_STATE")
     sim = Simulator(js, timing_from_env(), Path(state_dir) if state_dir else None)
     sim.load_or_create()

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import asyncpg
 import pytest
 
-from deploy.stack import Stack
-from rackctl.client import Client
 from shared.messages import SimFaults
-from tests.conftest import GiB, eventually, make_stack
+from tests.conftest import GiB, Rack, eventually, private_rack
 
 pytestmark = pytest.mark.bench
 
@@ -29,26 +25,10 @@ PICKERS = int(os.environ.get("BENCH_PICKERS", "16"))
 
 
 @pytest.fixture
-async def rack() -> AsyncIterator[tuple[Stack, Client, asyncpg.Pool]]:
-    stack = make_stack(
-        "poolbench", RACKPLANE_SLEDS="2", RACKPLANE_SLED_SHAPES="512:512", RACKPLANE_LOG="WARNING",
-        RACKPLANE_TRACES="none",
-    )  # fmt: skip
-    stack.start()
-    client = await Client.connect(stack.nats_url, timeout=120)
-    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
-    try:
-        await eventually(lambda: _sleds(client), timeout=20)
-        yield stack, client, db
-    finally:
-        await db.close()
-        await client.close()
-        stack.stop()
-        shutil.rmtree(stack.dir, ignore_errors=True)
-
-
-async def _sleds(client: Client) -> bool:
-    return len(await client.sled_list()) == 2
+async def rack() -> AsyncIterator[Rack]:
+    env = {"RACKPLANE_SLEDS": "2", "RACKPLANE_SLED_SHAPES": "512:512", "RACKPLANE_LOG": "WARNING"}
+    async with private_rack("poolbench", timeout=120, RACKPLANE_TRACES="none", **env) as made:
+        yield made
 
 
 async def timed(
@@ -77,7 +57,7 @@ def summary(name: str, lat: list[float], wall: float) -> str:
     )
 
 
-async def test_pick_latency_and_rate(rack: tuple[Stack, Client, asyncpg.Pool]) -> None:
+async def test_pick_latency_and_rate(rack: Rack) -> None:
     _, client, _db = rack
     await client.silo_create("bench")
     await client.project_create("bench", "p")

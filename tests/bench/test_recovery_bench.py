@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 import asyncpg
 import pytest
 
-from deploy.stack import Stack
 from rackctl.client import Client
-from tests.conftest import GiB, eventually, make_stack
+from tests.conftest import GiB, Rack, eventually, private_rack, sleds_known
 
 pytestmark = pytest.mark.bench
 
@@ -28,24 +27,13 @@ N = int(os.environ.get("BENCH_INSTANCES", "500"))
 RUNS = int(os.environ.get("BENCH_RUNS", "3"))
 
 
-async def one_full_sled() -> tuple[Stack, Client, asyncpg.Pool]:
-    """A rack whose first sled has room for all N instances, and a second, empty, added once they run."""
-    stack = make_stack(
-        "bench",
-        RACKPLANE_SLEDS="1",
-        RACKPLANE_SLED_SHAPES=f"{N + 64}:{N + 64}",
-        RACKPLANE_LOG="WARNING",
+def one_full_sled() -> AbstractAsyncContextManager[Rack]:
+    """A rack whose one sled has room for all N instances (a second, empty, is added once they run)."""
+    shape = f"{N + 64}:{N + 64}"
+    return private_rack(
+        "bench", timeout=120, RACKPLANE_SLEDS="1", RACKPLANE_SLED_SHAPES=shape, RACKPLANE_LOG="WARNING",
         RACKPLANE_TRACES="none",
-    )
-    stack.start()
-    client = await Client.connect(stack.nats_url, timeout=120)
-    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
-    await eventually(lambda: _sleds(client, 1), timeout=20)
-    return stack, client, db
-
-
-async def _sleds(client: Client, n: int) -> bool:
-    return len(await client.sled_list()) == n
+    )  # fmt: skip
 
 
 async def count_running(db: asyncpg.Pool, silo: str, lost_boot: str | None) -> tuple[int, int]:
@@ -97,8 +85,7 @@ async def start_fresh(client: Client, silo: str, proj: str, names: list[str]) ->
 async def test_reboot_of_a_sled_with_500_instances() -> None:
     fresh, truthful, back = [], [], []
     for run in range(RUNS):
-        stack, client, db = await one_full_sled()
-        try:
+        async with one_full_sled() as (_, client, db):
             silo, proj = "bench", "p"
             await client.silo_create(silo)
             await client.project_create(silo, proj)
@@ -112,7 +99,7 @@ async def test_reboot_of_a_sled_with_500_instances() -> None:
 
             # A second sled joins; then the first, holding all N, reboots.
             await client.sim_sled("add", vcpus=N + 64, ram_bytes=(N + 64) * GiB)
-            await eventually(lambda c=client: _sleds(c, 2), timeout=20)
+            await eventually(lambda c=client: sleds_known(c, 2), timeout=20)
             lost_boot = await db.fetchval(
                 "SELECT boot_id::text FROM instance_manager.sleds WHERE id = 'sled-0'"
             )
@@ -125,11 +112,6 @@ async def test_reboot_of_a_sled_with_500_instances() -> None:
                 f"\nrun {run}: {N} fresh starts {fresh[-1]:.2f}s; reboot of the sled holding all {N}: "
                 f"API truthful after {truthful[-1]:.2f}s, all running again after {back[-1]:.2f}s"
             )
-        finally:
-            await db.close()
-            await client.close()
-            stack.stop()
-            shutil.rmtree(stack.dir, ignore_errors=True)
 
     p50 = statistics.median
     print(
