@@ -8,15 +8,17 @@ was published was consumed, and what the sleds run has a record. `rackctl check`
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import asyncpg
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
 from shared import subjects
 from shared.config import transition_timeout
-from shared.messages import CHARGED_STATES, BadMessage, SledInventory, decode
+from shared.messages import CHARGED_STATES, BadMessage, PoolChanged, SledInventory, decode
 
 
 async def totals_match_ledger(conn: asyncpg.Connection) -> list[str]:
@@ -303,7 +305,29 @@ async def _latest_inventories(js: JetStreamContext) -> tuple[list[tuple[Any, Sle
     return found, problems
 
 
-BROKER_AT_REST = (consumers_settled, no_zombie_vmms)
+async def pool_vms_handed_out_once(js: JetStreamContext) -> list[str]:
+    """No pool VM was handed out twice: across the durable pool events, each VM is picked at most once."""
+    picks: collections.Counter[str] = collections.Counter()
+    sub = await js.subscribe(subjects.event("*", "pool", "changed"), ordered_consumer=True)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                break
+            try:
+                _, event = decode(msg.data, PoolChanged)
+            except BadMessage:
+                continue
+            assert isinstance(event, PoolChanged)
+            if event.change == "picked" and event.instance_id is not None:
+                picks[str(event.instance_id)] += 1
+    finally:
+        await sub.unsubscribe()
+    return [f"pool VM {vm} was handed out {n} times" for vm, n in sorted(picks.items()) if n > 1]
+
+
+BROKER_AT_REST = (consumers_settled, no_zombie_vmms, pool_vms_handed_out_once)
 
 
 async def check(
@@ -316,6 +340,7 @@ async def check(
     if at_rest and js is not None:
         out += await consumers_settled(js)
         out += await no_zombie_vmms(conn, js)
+        out += await pool_vms_handed_out_once(js)
     return out
 
 

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from rackctl.check import pool_vms_handed_out_once
 from rackctl.client import Client
+from shared import bus, subjects
 from shared.bus import CommandError
-from shared.messages import SimFaults
+from shared.messages import PoolChanged, PoolView, SimFaults
 from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, unique
 
 CHARGE_OF = (
@@ -76,6 +78,7 @@ async def test_fifty_concurrent_picks_from_a_pool_of_twenty(rack: Rack) -> None:
     assert all(r["has_customer_data_at"] is not None and r["name"].startswith("c-") for r in rows)
     await idle(client, silo, proj, pool, 20)  # replenished after the picks
     await assert_invariants(db)
+    assert await pool_vms_handed_out_once(client.nc.jetstream()) == []
 
 
 async def test_an_empty_pool_falls_back_to_a_new_instance_and_says_so(rack: Rack) -> None:
@@ -150,3 +153,21 @@ async def test_pool_vms_are_charged_like_any_and_a_pick_moves_no_charge(rack: Ra
     await assert_invariants(db)
     usage = (await client.usage(silo, proj))["usage"]
     assert usage == {"vcpus": 5, "ram_bytes": 5 * GiB, "disk_bytes": 5 * GiB}
+
+
+async def test_the_checker_would_see_a_vm_handed_out_twice(rack: Rack) -> None:
+    """The check reads the durable pool events: a second "picked" event for one VM is a violation."""
+    _, client, _ = rack
+    silo, proj, pool = await pool_of(client, 1)
+    await idle(client, silo, proj, pool, 1)
+    picked = await client.instance_from_pool(silo, proj, "once", pool, require=True)
+    js = client.nc.jetstream()
+
+    async def announced() -> bool:
+        return await pool_vms_handed_out_once(js) == []
+
+    await eventually(announced)
+    v = await client.pool("show", silo, proj, pool)
+    forged = PoolChanged(pool=PoolView.model_validate(v), change="picked", instance_id=picked["id"])
+    await bus.publish(js, subjects.event(silo, "pool", "changed"), forged, source="test")
+    assert await pool_vms_handed_out_once(js) == [f"pool VM {picked['id']} was handed out 2 times"]

@@ -32,6 +32,7 @@ from shared import bus, subjects, telemetry
 from shared.db import PassLock, enqueue, queries
 from shared.messages import (
     InstanceCreate,
+    InstanceView,
     PoolChanged,
     PoolCreate,
     PoolDelete,
@@ -51,16 +52,22 @@ async def view(conn: asyncpg.Connection, pool_id: uuid.UUID) -> PoolView:
 
 
 async def announce(
-    app: App, conn: asyncpg.Connection, pool_id: uuid.UUID, change: str, instance_id: uuid.UUID | None = None
+    app: App,
+    conn: asyncpg.Connection,
+    pool_id: uuid.UUID,
+    change: str,
+    picked: InstanceView | None = None,
 ) -> PoolView:
-    """Publish the pool as it now is (after commit), with what changed."""
+    """Publish the pool as it now is (after commit), with what changed. A pick's message id names the
+    picked VM at its new generation: resent, it is the same message; another pick could never be."""
     v = await view(conn, pool_id)
+    key = f"pool:{pool_id}:{change}:" + (f"{picked.id}:{picked.generation}" if picked else f"{v.generation}")
     await enqueue(
         conn,
         subjects.event(v.silo, "pool", "changed"),
-        PoolChanged(pool=v, change=change, instance_id=instance_id),  # type: ignore[arg-type]
+        PoolChanged(pool=v, change=change, instance_id=picked.id if picked else None),  # type: ignore[arg-type]
         source=SOURCE,
-        key=f"pool:{pool_id}:{v.generation}:{change}:{instance_id}",
+        key=key,
     )
     app.relay.kick()
     return v
@@ -149,7 +156,7 @@ class Pools:
                 telemetry.count("pool.empty")
                 return None
             v = await self.app.instance_changed(conn, picked)
-            await announce(self.app, conn, found, "picked", picked)
+            await announce(self.app, conn, found, "picked", v)
         telemetry.count("pool.picked")
         self.keeper.kick()
         return instance_reply(v)

@@ -289,7 +289,7 @@ class Scenario:
         deadline = time.monotonic() + settle_for
         while True:
             async with self.db.acquire() as conn:
-                violations = await check(conn, at_rest=True)
+                violations = await check(conn, at_rest=True, js=self.client.nc.jetstream())
             if not violations or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1)
