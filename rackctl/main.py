@@ -41,6 +41,8 @@ from shared.messages import (
     AutoRestart,
     InstanceCreate,
     Model,
+    PoolCreate,
+    PoolResize,
     Quota,
     ServiceFaults,
     SimFaults,
@@ -52,6 +54,9 @@ PROG = "rackctl"
 DEFAULT_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 5.0
 _NAME = re.compile(NAME_PATTERN)
+NAME_MAX = 63
+POOL_NAME_MAX = 56
+"""A pool's name is shorter than other names (`messages.PoolName`): its VMs are named `<pool>-<6 hex>`."""
 M = TypeVar("M", bound=Model)
 
 
@@ -85,10 +90,12 @@ def _path(text: str, shape: tuple[str, ...]) -> list[str]:
     if len(parts) != len(shape):
         raise argparse.ArgumentTypeError(f"invalid path {text!r}: expected {'/'.join(shape)}")
     for kind, part in zip(shape, parts, strict=True):
-        if not _NAME.fullmatch(part):
+        longest = POOL_NAME_MAX if kind == "POOL" else NAME_MAX
+        if not _NAME.fullmatch(part) or len(part) > longest:
+            which = "a pool name" if kind == "POOL" else "a name"
             raise argparse.ArgumentTypeError(
-                f"invalid {kind.lower()} name {part!r} in {text!r}: a name is 1 to 63 lowercase letters, "
-                "digits or '-', starting with a letter"
+                f"invalid {kind.lower()} name {part!r} in {text!r}: {which} is 1 to {longest} lowercase "
+                "letters, digits or '-', starting with a letter"
             )
     return parts
 
@@ -104,6 +111,10 @@ def project_path(text: str) -> tuple[str, str]:
 
 def instance_path(text: str) -> Ref:
     return Ref(*_path(text, ("SILO", "PROJECT", "INSTANCE")))
+
+
+def pool_path(text: str) -> Ref:
+    return Ref(*_path(text, ("SILO", "PROJECT", "POOL")))
 
 
 def sled_name(text: str) -> str:
@@ -212,9 +223,10 @@ GROUPS: dict[str, str] = {
     "silo": "silos: tenants, with their quotas",
     "project": "projects inside a silo",
     "instance": "VM instances: create, start, stop, delete, inspect",
+    "pool": "warm pools: VMs booted ahead, handed to one customer each",
     "sled": "the sleds of the rack",
-    "sim": "drive the sled simulator: reboot, freeze, faults (testing only)",
-    "sim sled": "add, list, reboot, freeze, thaw or remove simulated sleds (testing only)",
+    "sim": "drive the sled simulator: reboot, freeze, partition, faults (testing only)",
+    "sim sled": "add, list, reboot, freeze, thaw, partition, heal or remove simulated sleds (testing only)",
 }
 """Help of each command group, by its words."""
 
@@ -240,6 +252,10 @@ def wait_flag(p: argparse.ArgumentParser) -> None:
 
 def instance_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("instance", type=instance_path, metavar="SILO/PROJECT/INSTANCE")
+
+
+def pool_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pool", type=pool_path, metavar="SILO/PROJECT/POOL")
 
 
 def sled_arg(p: argparse.ArgumentParser) -> None:
@@ -333,23 +349,52 @@ async def project_list(ctx: Ctx) -> None:
 
 def _create_options(p: argparse.ArgumentParser) -> None:
     instance_arg(p)
-    p.add_argument("--cpus", type=count, metavar="N", required=True, help="vCPUs")
-    p.add_argument("--ram", type=size, metavar="SIZE", required=True, help="RAM, e.g. 4GiB")
-    p.add_argument("--disk", type=size, metavar="SIZE", required=True, help="boot disk, e.g. 10GiB")
+    p.add_argument("--cpus", type=count, metavar="N", help="vCPUs (required without --from-pool)")
+    p.add_argument("--ram", type=size, metavar="SIZE", help="RAM, e.g. 4GiB (required without --from-pool)")
+    p.add_argument(
+        "--disk", type=size, metavar="SIZE", help="boot disk, e.g. 10GiB (required without --from-pool)"
+    )
     p.add_argument(
         "--auto-restart",
         choices=[a.value for a in AutoRestart],
         default=AutoRestart.best_effort.value,
         help="restart the instance if its VMM fails (default: best_effort)",
     )
+    p.add_argument(
+        "--from-pool",
+        type=pool_path,
+        metavar="SILO/PROJECT/POOL",
+        help="take a running VM from this warm pool of the same project, with the pool's shape; if it has "
+        "no idle VM, create and start a new one of that shape (and say so)",
+    )
+    p.add_argument(
+        "--require-pool", action="store_true", help="with --from-pool: fail if the pool has no idle VM"
+    )
 
 
-@command("instance create", "create a (stopped) instance", _create_options, json_flag)
+_SHAPE_OPTIONS = {"vcpus": "--cpus", "ram_bytes": "--ram", "disk_bytes": "--disk"}
+
+
+@command(
+    "instance create",
+    "create a (stopped) instance; with --from-pool, take a running VM from a warm pool",
+    _create_options,
+    json_flag,
+)
 async def instance_create(ctx: Ctx) -> None:
     a, ref = ctx.args, ctx.args.instance
+    shape = {"--cpus": a.cpus, "--ram": a.ram, "--disk": a.disk}
+    if a.from_pool is not None:
+        await _instance_from_pool(ctx, [option for option, value in shape.items() if value is not None])
+        return
+    if a.require_pool:
+        raise UsageError("--require-pool needs --from-pool SILO/PROJECT/POOL")
+    missing = [option for option, value in shape.items() if value is None]
+    if missing:
+        raise UsageError(f"the following arguments are required: {', '.join(missing)} (or --from-pool)")
     body = _validated(
         InstanceCreate,
-        {"vcpus": "--cpus", "ram_bytes": "--ram", "disk_bytes": "--disk"},
+        _SHAPE_OPTIONS,
         silo=ref.silo,
         project=ref.project,
         name=ref.name,
@@ -368,6 +413,38 @@ async def instance_create(ctx: Ctx) -> None:
         auto_restart=body.auto_restart,
     )
     ctx.emit(data, lambda v: print(f"created instance {ref}: {_shape(v)} ({v['state']})"))
+
+
+async def _instance_from_pool(ctx: Ctx, shape_given: list[str]) -> None:
+    """`instance create --from-pool`: an idle VM of the pool, renamed, or a new one of its shape."""
+    a, ref, pool = ctx.args, ctx.args.instance, ctx.args.from_pool
+    if shape_given:
+        raise UsageError(
+            f"a VM from a pool has the pool's shape: {', '.join(shape_given)} not allowed with --from-pool"
+        )
+    if (pool.silo, pool.project) != (ref.silo, ref.project):
+        raise UsageError(
+            f"pool {pool} is not in project {ref.silo}/{ref.project}: "
+            "a pool hands out VMs in its own project only"
+        )
+    data = await (await ctx.client()).instance_from_pool(
+        ref.silo,
+        ref.project,
+        ref.name,
+        pool.name,
+        require=a.require_pool,
+        auto_restart=AutoRestart(a.auto_restart),
+    )
+
+    def human(v: dict[str, Any]) -> None:
+        if v.get("source") == "pool":
+            print(f"created instance {ref} from pool {pool}: {_state_where(v)}")
+        else:
+            print(f"created instance {ref}: {_shape(v)} ({_state_where(v)})")
+        if v.get("note"):
+            print(f"note: {v['note']}")
+
+    ctx.emit(data, human)
 
 
 @command("instance show", "show one instance", instance_arg, json_flag)
@@ -477,6 +554,140 @@ def _raise_if_failed(ref: Ref, view: dict[str, Any], target: str) -> None:
         raise Failure(f"{ref} did not start: {error}")
 
 
+# --- warm pools ------------------------------------------------------------------------------------------
+
+
+def _pool_create_options(p: argparse.ArgumentParser) -> None:
+    pool_arg(p)
+    p.add_argument("--size", type=count, metavar="N", required=True, help="how many idle VMs to keep booted")
+    p.add_argument("--cpus", type=count, metavar="N", required=True, help="vCPUs of each VM")
+    p.add_argument("--ram", type=size, metavar="SIZE", required=True, help="RAM of each VM, e.g. 4GiB")
+    p.add_argument(
+        "--disk", type=size, metavar="SIZE", required=True, help="boot disk of each VM, e.g. 10GiB"
+    )
+
+
+@command(
+    "pool create",
+    "create a warm pool: SIZE VMs of one shape kept booted in the project, each handed to one customer",
+    _pool_create_options,
+    json_flag,
+)
+async def pool_create(ctx: Ctx) -> None:
+    a, ref = ctx.args, ctx.args.pool
+    body = _validated(
+        PoolCreate,
+        {"size": "--size", **_SHAPE_OPTIONS},
+        silo=ref.silo,
+        project=ref.project,
+        name=ref.name,
+        size=a.size,
+        vcpus=a.cpus,
+        ram_bytes=a.ram,
+        disk_bytes=a.disk,
+    )
+    data = await (await ctx.client()).pool_create(
+        ref.silo,
+        ref.project,
+        ref.name,
+        size=body.size,
+        vcpus=body.vcpus,
+        ram_bytes=body.ram_bytes,
+        disk_bytes=body.disk_bytes,
+    )
+    ctx.emit(data, lambda v: print(f"created pool {ref}: {_vms(v['target_size'])} of {_shape(v)}"))
+
+
+@command("pool show", "show one warm pool: its shape, target size, and its VMs by state", pool_arg, json_flag)
+async def pool_show(ctx: Ctx) -> None:
+    ctx.emit(await (await ctx.client()).pool("show", *ctx.args.pool), _print_pool)
+
+
+@command("pool list", "list the warm pools of the fleet, a silo or a project", scope_args, json_flag)
+async def pool_list(ctx: Ctx) -> None:
+    silo, project = _scope(ctx.args)
+
+    def human(pools: list[dict[str, Any]]) -> None:
+        rows = [
+            (
+                _ref(v),
+                v["vcpus"],
+                format_size(v["ram_bytes"]),
+                format_size(v["disk_bytes"]),
+                v["target_size"],
+                v["idle"],
+                v["provisioning"],
+                v["handed_out"],
+            )
+            for v in pools
+        ]
+        headers = ("POOL", "VCPUS", "RAM", "DISK", "TARGET", "IDLE", "PROVISIONING", "HANDED OUT")
+        print_table(headers, rows)
+
+    ctx.emit(await (await ctx.client()).pool_list(silo, project), human)
+
+
+def _pool_resize_options(p: argparse.ArgumentParser) -> None:
+    pool_arg(p)
+    p.add_argument("--size", type=count, metavar="N", required=True, help="the new number of idle VMs")
+
+
+@command(
+    "pool resize",
+    "change how many idle VMs a warm pool keeps (it boots or retires VMs to match)",
+    _pool_resize_options,
+    json_flag,
+)
+async def pool_resize(ctx: Ctx) -> None:
+    ref = ctx.args.pool
+    body = _validated(
+        PoolResize, {"size": "--size"}, silo=ref.silo, project=ref.project, name=ref.name, size=ctx.args.size
+    )
+    data = await (await ctx.client()).pool("resize", *ref, size=body.size)
+    ctx.emit(data, lambda v: print(f"resized pool {ref}: target {_vms(v['target_size'])} ({_counts(v)})"))
+
+
+@command(
+    "pool delete",
+    "delete a warm pool: its idle VMs are retired; the instances it handed out stay",
+    pool_arg,
+    json_flag,
+)
+async def pool_delete(ctx: Ctx) -> None:
+    ref = ctx.args.pool
+    data = await (await ctx.client()).pool("delete", *ref)
+
+    def human(v: dict[str, Any]) -> None:
+        kept = v["handed_out"]
+        stay = "instance it handed out stays" if kept == 1 else "instances it handed out stay"
+        print(f"deleted pool {ref}: its idle VMs are retired; the {kept} {stay}")
+
+    ctx.emit(data, human)
+
+
+def _print_pool(v: dict[str, Any]) -> None:
+    print_fields(
+        [
+            ("pool", _ref(v)),
+            ("id", v["id"]),
+            ("state", f"{v['state']} (generation {v['generation']})"),
+            ("shape", _shape(v)),
+            ("target size", v["target_size"]),
+            ("idle", v["idle"]),
+            ("provisioning", v["provisioning"]),
+            ("handed out", v["handed_out"]),
+        ]
+    )
+
+
+def _vms(n: int) -> str:
+    return f"{n} VM" + ("" if n == 1 else "s")
+
+
+def _counts(v: dict[str, Any]) -> str:
+    return f"{v['idle']} idle, {v['provisioning']} provisioning, {v['handed_out']} handed out"
+
+
 # --- fleet -----------------------------------------------------------------------------------------------
 
 
@@ -529,13 +740,13 @@ async def sled_expunge(ctx: Ctx) -> None:
 # --- the simulator (testing only) ------------------------------------------------------------------------
 
 
-@command("sim sled list", "list simulated sleds: boot id, VMMs, frozen or not, faults", json_flag)
+@command("sim sled list", "list simulated sleds: boot id, VMMs, frozen or partitioned, faults", json_flag)
 async def sim_sled_list(ctx: Ctx) -> None:
     def human(sleds: list[dict[str, Any]]) -> None:
         rows = [
             (
                 s["sled_id"],
-                "frozen" if s.get("frozen") else "up",
+                _sim_state(s),
                 s.get("boot_id"),
                 s["vcpus"],
                 format_size(s["ram_bytes"]),
@@ -582,6 +793,11 @@ SIM_VERBS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         lambda d: f"froze {d['sled_id']}: it answers nothing until thawed",
     ),
     "thaw": ("thaw a frozen simulated sled", lambda d: f"thawed {d['sled_id']}"),
+    "partition": (
+        "cut a simulated sled off the network until healed: nothing goes in or out, its VMMs go on running",
+        lambda d: f"partitioned {d['sled_id']}: cut off until healed (its VMMs go on running)",
+    ),
+    "heal": ("end a simulated sled's partition", lambda d: f"healed {d['sled_id']}"),
     "remove": (
         "remove a sled from the simulator (the control plane still lists it: expunge it there)",
         lambda d: f"removed {d['sled_id']} from the simulator",
@@ -653,6 +869,12 @@ async def sim_faults(ctx: Ctx) -> None:
         print(f"{d['sled_id']}: faults {'cleared' if text is None else 'set: ' + text}")
 
     ctx.emit(data, human)
+
+
+def _sim_state(s: dict[str, Any]) -> str:
+    """`up`, or why the sled is silent: `frozen`, `partitioned` (or both: `frozen,partitioned`)."""
+    silent = [state for state in ("frozen", "partitioned") if s.get(state)]
+    return ",".join(silent) or "up"
 
 
 def _faults_text(f: dict[str, Any] | None) -> str | None:
@@ -976,6 +1198,11 @@ def _shape(v: dict[str, Any]) -> str:
     return f"{cpus}, {format_size(v['ram_bytes'])} RAM, {format_size(v['disk_bytes'])} disk"
 
 
+def _state_where(v: dict[str, Any]) -> str:
+    """`running on sled-2`, or the state alone when it does not run anywhere (yet)."""
+    return f"running on {v['sled_id']}" if v["state"] == "running" and v.get("sled_id") else v["state"]
+
+
 def _size_or_none(n: int | None) -> str | None:
     return None if n is None else format_size(n)
 
@@ -1019,6 +1246,8 @@ def _print_instance(v: dict[str, Any]) -> None:
         ("ram", format_size(v["ram_bytes"]), True),
         ("disk", format_size(v["disk_bytes"]), True),
         ("auto-restart", v["auto_restart"], True),
+        ("pool", _pool_of(v), False),
+        ("has customer data since", _when(v.get("has_customer_data_at")), False),
         ("auto-restarts", restarts, False),
         ("last auto-restart", _when(v.get("last_auto_restart_at")), False),
         ("next restart", _when(v.get("next_restart_at")), False),
@@ -1029,6 +1258,14 @@ def _print_instance(v: dict[str, Any]) -> None:
         ("updated", v.get("updated_at"), True),
     ]
     print_fields([(label, value) for label, value, always in fields if always or value not in (None, "")])
+
+
+def _pool_of(v: dict[str, Any]) -> str | None:
+    """The pool a VM came from, as a path; a VM still in its pool (not handed out) says so."""
+    if not v.get("pool"):
+        return None
+    waiting = "" if v.get("has_customer_data_at") else " (not handed out)"
+    return f"{v['silo']}/{v['project']}/{v['pool']}{waiting}"
 
 
 # --- parser and entry point ------------------------------------------------------------------------------

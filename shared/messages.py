@@ -480,6 +480,13 @@ class PoolList(Model):
     silo: Name | None = None
     project: Name | None = None
 
+    @field_validator("project")
+    @classmethod
+    def _project_needs_silo(cls, v: str | None, info: Any) -> str | None:
+        if v is not None and info.data.get("silo") is None:
+            raise ValueError("a project is named within a silo")
+        return v
+
 
 class PoolView(Model):
     id: uuid.UUID
@@ -600,7 +607,8 @@ class SimSledThaw(SimSledRef):
 
 @message("rp.sim.sled.partition")
 class SimSledPartition(SimSledRef):
-    """Cut the sled off: its messages are dropped both ways (its VMMs go on running)."""
+    """Cut the sled off the network until healed: nothing it sends gets out (reports wait, inventories
+    are skipped) and nothing reaches it (its commands wait in the stream). Its VMMs go on running."""
 
 
 @message("rp.sim.sled.heal")

@@ -15,10 +15,12 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import TypeAdapter, ValidationError
 
 from deploy.stack import Stack, free_port
 from rackctl import main as cli
@@ -26,7 +28,7 @@ from rackctl.client import Client
 from rackctl.output import Progress
 from rackctl.sizes import format_size, parse_size
 from shared.bus import CommandError
-from shared.messages import AutoRestart, SimFaults
+from shared.messages import AutoRestart, PoolName, SimFaults
 from tests.conftest import GiB, eventually, make_stack, unique
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,6 +236,89 @@ def test_usage_errors_exit_2(args: tuple[str, ...]) -> None:
     assert r.code == 2, r
     assert r.out == "" and "Traceback" not in r.err
     assert "error:" in r.err.splitlines()[-1]
+
+
+POOL_TOO_LONG = "p" * (cli.POOL_NAME_MAX + 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("instance", "create", "a/b/c", "--from-pool", "a/b/warm", "--cpus", "1", "--ram", "1GiB"),
+            "a VM from a pool has the pool's shape: --cpus, --ram not allowed with --from-pool",
+        ),
+        (
+            ("instance", "create", "a/b/c", "--from-pool", "a/other/warm"),
+            "pool a/other/warm is not in project a/b: a pool hands out VMs in its own project only",
+        ),
+        (
+            ("instance", "create", "a/b/c", "--from-pool", "x/b/warm", "--require-pool"),
+            "pool x/b/warm is not in project a/b",
+        ),
+        (
+            ("instance", "create", "a/b/c", "--from-pool", f"a/b/{POOL_TOO_LONG}"),
+            f"invalid pool name '{POOL_TOO_LONG}' in 'a/b/{POOL_TOO_LONG}': a pool name is 1 to 56",
+        ),
+        (
+            ("pool", "create", f"a/b/{POOL_TOO_LONG}", "--size", "1", "--cpus", "1", "--ram", "1GiB"),
+            "a pool name is 1 to 56 lowercase letters",
+        ),
+        (("pool", "show", "a/b/" + "p" * 64), "a pool name is 1 to 56 lowercase letters"),
+        (("pool", "delete", "a/b"), "expected SILO/PROJECT/POOL"),
+        (
+            ("instance", "create", "a/b/c", "--cpus", "1"),
+            "the following arguments are required: --ram, --disk (or --from-pool)",
+        ),
+        (
+            (
+                "instance",
+                "create",
+                "a/b/c",
+                "--cpus",
+                "1",
+                "--ram",
+                "1GiB",
+                "--disk",
+                "1GiB",
+                "--require-pool",
+            ),
+            "--require-pool needs --from-pool",
+        ),
+        (
+            ("pool", "create", "a/b/p", "--size", "1001", "--cpus", "1", "--ram", "1GiB", "--disk", "1GiB"),
+            "--size must be at most 1000",
+        ),
+        (
+            ("pool", "create", "a/b/p", "--size", "1", "--cpus", "0", "--ram", "1GiB", "--disk", "1GiB"),
+            "--cpus must be at least 1",
+        ),
+        (("pool", "resize", "a/b/p", "--size", "-1"), "invalid count '-1'"),
+        (
+            ("pool", "list", "--silo", "a", "--project", "b/c"),
+            "--silo a and --project b/c name different silos",
+        ),
+        (("sim", "sled", "partition"), "the following arguments are required: SLED_ID"),
+    ],
+)
+def test_pool_usage_errors_exit_2_with_a_clear_line(args: tuple[str, ...], message: str) -> None:
+    r = rackctl_offline(*args)
+    assert r.code == 2 and r.out == "", r
+    last = r.err.splitlines()[-1]
+    assert last.startswith(f"rackctl {args[0]} {args[1]}") and message in last, last
+
+
+def test_pool_names_are_those_the_schema_accepts() -> None:
+    """The CLI refuses exactly the pool names `messages.PoolName` refuses, with its own clear message."""
+    schema = TypeAdapter(PoolName)
+    for name in ("p", "warm-1", "p" * cli.POOL_NAME_MAX):
+        assert cli.pool_path(f"a/b/{name}").name == schema.validate_python(name)
+    for name in ("p" * (cli.POOL_NAME_MAX + 1), "Warm", "1warm", ""):
+        with pytest.raises(ValidationError):
+            schema.validate_python(name)
+        with pytest.raises(argparse.ArgumentTypeError, match="a pool name is 1 to 56"):
+            cli.pool_path(f"a/b/{name}")
+    assert cli.instance_path("a/b/" + "i" * 63).name == "i" * 63  # other names keep their 63
 
 
 def test_unreachable_nats_is_one_line() -> None:
@@ -505,3 +590,172 @@ async def test_reboot_expunge_and_failures_on_a_private_rack(small_rack: tuple[S
     shown = _fields(await rackctl(stack, "instance", "show", f"{silo}/{proj}/vm"))
     assert shown["auto-restarts"] == str(v["auto_restarts"]) and shown["last error"] == v["last_error"]
     assert shown["last auto-restart"].startswith(v["last_auto_restart_at"]), shown
+
+
+# --- warm pools ------------------------------------------------------------------------------------------
+
+
+POOL_HEADERS = "POOL VCPUS RAM DISK TARGET IDLE PROVISIONING HANDED OUT".split()
+
+
+async def _pool_json(stack: Stack, pool: str) -> dict[str, Any]:
+    r = await rackctl(stack, "pool", "show", pool, "--json")
+    assert_ok(r)
+    return r.json()
+
+
+async def _pool_reaches(stack: Stack, pool: str, **counts: int) -> dict[str, Any]:
+    """Poll `pool show --json` until the pool's counts are these."""
+
+    async def check() -> dict[str, Any] | None:
+        v = await _pool_json(stack, pool)
+        return v if all(v[k] == n for k, n in counts.items()) else None
+
+    return await eventually(check, timeout=40, interval=0.3)
+
+
+async def test_pools_through_the_cli_on_a_private_rack(small_rack: tuple[Stack, Client]) -> None:
+    stack, client = small_rack
+    silo = unique("silo")
+    await client.silo_create(silo)
+    await client.project_create(silo, "p")
+    pool = f"{silo}/p/warm"
+
+    r = await rackctl(
+        stack, "pool", "create", pool, "--size", "2", "--cpus", "1", "--ram", "1GiB", "--disk", "2GiB"
+    )
+    assert_ok(r)
+    assert r.out == f"created pool {pool}: 2 VMs of 1 vCPU, 1 GiB RAM, 2 GiB disk\n"
+    again = await rackctl(
+        stack, "pool", "create", pool, "--size", "1", "--cpus", "1", "--ram", "1GiB", "--disk", "1GiB"
+    )
+    assert_one_error(again, f"pool {pool} already exists")
+
+    v = await _pool_reaches(stack, pool, idle=2)
+    shape = (v["target_size"], v["state"], v["vcpus"], v["ram_bytes"], v["disk_bytes"])
+    assert shape == (2, "active", 1, GiB, 2 * GiB), v
+    shown = _fields(await rackctl(stack, "pool", "show", pool))
+    assert shown == {
+        "pool": pool,
+        "id": v["id"],
+        "state": f"active (generation {v['generation']})",
+        "shape": "1 vCPU, 1 GiB RAM, 2 GiB disk",
+        "target size": "2",
+        "idle": "2",
+        "provisioning": "0",
+        "handed out": "0",
+    }
+
+    r = await rackctl(stack, "pool", "list", "--project", f"{silo}/p")
+    assert_ok(r)
+    header, row = r.out.splitlines()
+    assert header.split() == POOL_HEADERS
+    assert row.split() == [pool, "1", "1", "GiB", "2", "GiB", "2", "2", "0", "0"]
+    r = await rackctl(stack, "pool", "list", "--silo", silo, "--json")
+    assert_ok(r)
+    assert [p["id"] for p in r.json()] == [v["id"]]
+    r = await rackctl(stack, "pool", "list", "--silo", unique("other"))
+    assert_ok(r)
+    assert r.out.split() == POOL_HEADERS  # an empty table still has its headers
+
+    # An idle pool VM is an instance of the project, shown as still in its pool.
+    r = await rackctl(stack, "instance", "list", "--project", f"{silo}/p", "--json")
+    assert_ok(r)
+    members = [i for i in r.json() if i["pool"] == "warm"]
+    assert len(members) == 2 and all(i["has_customer_data_at"] is None for i in members), members
+    member = _fields(await rackctl(stack, "instance", "show", f"{silo}/p/{members[0]['name']}"))
+    assert member["pool"] == f"{pool} (not handed out)" and "has customer data since" not in member
+
+    # Handed out: running at once, renamed, marked.
+    r = await rackctl(stack, "instance", "create", f"{silo}/p/a", "--from-pool", pool)
+    assert_ok(r)
+    picked = rf"created instance {silo}/p/a from pool {pool}: running on sled-[01]\n"
+    assert re.fullmatch(picked, r.out), r.out
+    r = await rackctl(
+        stack, "instance", "create", f"{silo}/p/b", "--from-pool", pool, "--auto-restart", "never", "--json"
+    )
+    assert_ok(r)
+    b = r.json()
+    got = (b["source"], b["state"], b["name"], b["pool"], b["auto_restart"])
+    assert got == ("pool", "running", "b", "warm", "never"), b
+    assert b["has_customer_data_at"] is not None and b["id"] in {m["id"] for m in members}
+    a = _fields(await rackctl(stack, "instance", "show", f"{silo}/p/a"))
+    assert a["pool"] == pool and a["state"].startswith("running"), a
+    assert (a["vcpus"], a["disk"]) == ("1", "2 GiB") and a["has customer data since"].endswith("ago)"), a
+
+    # An empty pool: refused with --require-pool, a new instance of the pool's shape without it.
+    r = await rackctl(stack, "pool", "resize", pool, "--size", "0")
+    assert_ok(r)
+    assert r.out.startswith(f"resized pool {pool}: target 0 VMs ("), r.out
+    await _pool_reaches(stack, pool, idle=0, provisioning=0, handed_out=2)
+    r = await rackctl(stack, "instance", "create", f"{silo}/p/strict", "--from-pool", pool, "--require-pool")
+    assert_one_error(r, f"pool {pool} has no idle VM")
+    r = await rackctl(stack, "instance", "create", f"{silo}/p/fresh", "--from-pool", pool, "--timeout", "30")
+    assert_ok(r)
+    made, note = r.out.splitlines()
+    where = r"\((running on sled-[01]|starting)\)"
+    assert re.fullmatch(rf"created instance {silo}/p/fresh: 1 vCPU, 1 GiB RAM, 2 GiB disk {where}", made), (
+        made
+    )
+    assert note == "note: pool warm had no idle VM: created and started a new instance"
+    fresh = _fields(await rackctl(stack, "instance", "show", f"{silo}/p/fresh"))
+    assert "pool" not in fresh and "has customer data since" in fresh
+
+    # Deleted: gone from show and list; what it handed out stays.
+    r = await rackctl(stack, "pool", "delete", pool)
+    assert_ok(r)
+    assert r.out == f"deleted pool {pool}: its idle VMs are retired; the 2 instances it handed out stay\n"
+    assert_one_error(await rackctl(stack, "pool", "show", pool), f"no pool {pool}")
+    assert_one_error(await rackctl(stack, "pool", "resize", pool, "--size", "1"), f"no pool {pool}")
+    r = await rackctl(stack, "pool", "list", "--json")
+    assert_ok(r)
+    assert r.json() == []
+
+    async def only_customers_left() -> set[str] | None:  # the retired pool VMs are stopped, then deleted
+        r = await rackctl(stack, "instance", "list", "--project", f"{silo}/p", "--json")
+        assert_ok(r)
+        names = {i["name"] for i in r.json()}
+        return names if names == {"a", "b", "fresh"} else None
+
+    await eventually(only_customers_left, timeout=20, interval=0.3)
+
+
+async def test_sim_sled_partition_and_heal_on_a_private_rack(small_rack: tuple[Stack, Client]) -> None:
+    stack, client = small_rack
+
+    async def seen(sled: str) -> datetime:
+        return datetime.fromisoformat({s["id"]: s["last_seen_at"] for s in await client.sled_list()}[sled])
+
+    try:
+        r = await rackctl(stack, "sim", "sled", "partition", "sled-1")
+        assert_ok(r)
+        assert r.out == "partitioned sled-1: cut off until healed (its VMMs go on running)\n"
+        r = await rackctl(stack, "sim", "sled", "list", "--json")
+        assert_ok(r)
+        assert {s["sled_id"]: s["partitioned"] for s in r.json()} == {"sled-0": False, "sled-1": True}
+        r = await rackctl(stack, "sim", "sled", "list")
+        assert_ok(r)
+        assert [line.split()[:2] for line in r.out.splitlines()[1:]] == [
+            ["sled-0", "up"],
+            ["sled-1", "partitioned"],
+        ]
+
+        # Cut off: its inventories (every second here) stop reaching the control plane.
+        await asyncio.sleep(1.5)
+        last = await seen("sled-1")
+        await asyncio.sleep(2)
+        assert await seen("sled-1") == last and await seen("sled-0") > last
+
+        r = await rackctl(stack, "sim", "sled", "heal", "sled-1", "--json")
+        assert_ok(r)
+        assert (r.json()["sled_id"], r.json()["partitioned"]) == ("sled-1", False)
+    finally:
+        await client.sim_sled("heal", "sled-1")
+
+    async def heard_again() -> bool:
+        return await seen("sled-1") > last
+
+    await eventually(heard_again, timeout=10)
+    r = await rackctl(stack, "sim", "sled", "list")
+    assert_ok(r)
+    assert [line.split()[:2] for line in r.out.splitlines()[1:]] == [["sled-0", "up"], ["sled-1", "up"]]
