@@ -23,6 +23,13 @@ NonNegativeInt = Annotated[int, Field(ge=0, le=2**62)]
 Generation = Annotated[int, Field(ge=1, le=2**62)]
 
 
+def project_within_silo(cls: type, v: str | None, info: Any) -> str | None:
+    """A project is named within a silo: a body naming a project names its silo too."""
+    if v is not None and info.data.get("silo") is None:
+        raise ValueError("a project is named within a silo")
+    return v
+
+
 class BadMessage(Exception):
     """A message that cannot be handled as sent: unparseable, unknown schema or version, invalid data."""
 
@@ -480,12 +487,7 @@ class PoolList(Model):
     silo: Name | None = None
     project: Name | None = None
 
-    @field_validator("project")
-    @classmethod
-    def _project_needs_silo(cls, v: str | None, info: Any) -> str | None:
-        if v is not None and info.data.get("silo") is None:
-            raise ValueError("a project is named within a silo")
-        return v
+    _project_needs_silo = field_validator("project")(project_within_silo)
 
 
 class PoolView(Model):
@@ -554,12 +556,7 @@ class UsageGet(Model):
     silo: Name | None = None
     project: Name | None = None
 
-    @field_validator("project")
-    @classmethod
-    def _project_needs_silo(cls, v: str | None, info: Any) -> str | None:
-        if v is not None and info.data.get("silo") is None:
-            raise ValueError("a project is named within a silo")
-        return v
+    _project_needs_silo = field_validator("project")(project_within_silo)
 
 
 # --- simulator control (request/reply, rp.sim.*) ---------------------------------------------------------
