@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from deploy.stack import Stack
+from rackctl.client import Client
 from shared.bus import CommandError
 from shared.messages import Quota
 from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, usage_is, wait_state
@@ -21,6 +22,31 @@ async def crashy() -> AsyncIterator[Rack]:
         yield rack
 
 
+def restart(stack: Stack, service: str, crash_at: str | None = None) -> None:
+    """Restart a service, armed to die at a crash point (or not)."""
+    stack.services[service].stop()
+    if crash_at:
+        stack.env["RACKPLANE_CRASH_AT"] = crash_at
+    else:
+        stack.env.pop("RACKPLANE_CRASH_AT", None)
+    stack.start_service(service)
+    stack.wait_ready((service,))
+
+
+async def start_and_let_it_crash(
+    stack: Stack, client: Client, silo: str, proj: str, name: str, service: str
+) -> None:
+    """Ask for a start; the armed service dies on the way, so the reply may never come."""
+    client.timeout = 2.0
+    try:
+        await client.instance("start", silo, proj, name)
+    except CommandError:
+        pass
+    finally:
+        client.timeout = 15.0
+    await eventually(lambda: _dead(stack, service), timeout=15)
+
+
 @pytest.mark.parametrize("step", STEPS)
 async def test_a_start_saga_resumes_after_a_crash_before_each_step(crashy: Rack, step: str) -> None:
     stack, client, db = crashy
@@ -29,23 +55,9 @@ async def test_a_start_saga_resumes_after_a_crash_before_each_step(crashy: Rack,
     await client.project_create(silo, proj)
     await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
 
-    im = stack.services["instance_manager"]
-    im.stop()
-    stack.env["RACKPLANE_CRASH_AT"] = f"saga:instance-start/{step}"
-    stack.start_service("instance_manager")
-    stack.wait_ready(("instance_manager",))
-    client.timeout = 2.0
-    try:
-        await client.instance("start", silo, proj, name)
-    except CommandError:
-        pass  # the process died under the request
-    finally:
-        client.timeout = 15.0
-    await eventually(lambda: _dead(stack), timeout=15)
-
-    del stack.env["RACKPLANE_CRASH_AT"]
-    stack.start_service("instance_manager")
-    stack.wait_ready(("instance_manager",))
+    restart(stack, "instance_manager", crash_at=f"saga:instance-start/{step}")
+    await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
+    restart(stack, "instance_manager")
     await wait_state(client, silo, proj, name, "running", timeout=20)
     await assert_invariants(db)
 
@@ -63,22 +75,10 @@ async def test_an_unwinding_saga_finishes_unwinding_after_a_crash(
     await client.project_create(silo, proj)
     await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
 
-    stack.services["instance_manager"].stop()
-    stack.env["RACKPLANE_CRASH_AT"] = "saga:instance-start/undo:interlock"
-    stack.start_service("instance_manager")
-    stack.wait_ready(("instance_manager",))
-    client.timeout = 2.0
-    try:
-        await client.instance("start", silo, proj, name)  # refused by the quota: the saga unwinds
-    except CommandError:
-        pass
-    finally:
-        client.timeout = 15.0
-    await eventually(lambda: _dead(stack), timeout=15)
-
-    del stack.env["RACKPLANE_CRASH_AT"]
-    stack.start_service("instance_manager")
-    stack.wait_ready(("instance_manager",))
+    restart(stack, "instance_manager", crash_at="saga:instance-start/undo:interlock")
+    # refused by the quota: the saga unwinds, and dies on the way
+    await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
+    restart(stack, "instance_manager")
     stopped = await wait_state(client, silo, proj, name, "stopped", timeout=20)
     assert "vCPU quota exceeded" in stopped["last_error"]
     await assert_invariants(db)
@@ -95,22 +95,10 @@ async def test_accounting_killed_between_commit_and_ack_counts_the_charge_once(
     await client.project_create(silo, proj)
     await client.instance_create(silo, proj, name, vcpus=3, ram_bytes=GiB, disk_bytes=GiB)
 
-    stack.services["accounting"].stop()
-    stack.env["RACKPLANE_CRASH_AT"] = "after-commit:accounting-deltas"
-    stack.start_service("accounting")
-    stack.wait_ready(("accounting",))
-    client.timeout = 2.0
-    try:
-        await client.instance("start", silo, proj, name)
-    except CommandError:
-        pass  # the reply waits for the charge, which waits for accounting to come back
-    finally:
-        client.timeout = 15.0
-    await eventually(lambda: _dead(stack, "accounting"), timeout=15)
-
-    del stack.env["RACKPLANE_CRASH_AT"]
-    stack.start_service("accounting")
-    stack.wait_ready(("accounting",))
+    restart(stack, "accounting", crash_at="after-commit:accounting-deltas")
+    # the reply waits for the charge, which waits for accounting to come back
+    await start_and_let_it_crash(stack, client, silo, proj, name, "accounting")
+    restart(stack, "accounting")
     await wait_state(client, silo, proj, name, "running", timeout=20)
 
     async def redelivered_and_recognised() -> bool:
