@@ -130,8 +130,15 @@ async def eventually(
 async def wait_state(
     client: Client, silo: str, project: str, name: str, state: str, timeout: float = 15.0
 ) -> Any:
+    from shared.bus import CommandError
+
     async def check() -> Any:
-        v = await client.instance("show", silo, project, name)
+        try:
+            v = await client.instance("show", silo, project, name)
+        except CommandError as e:
+            if e.code not in ("unavailable", "timeout"):  # a service reconnecting to a restarted broker
+                raise
+            return None
         return v if v["state"] == state else None
 
     return await eventually(check, timeout)

@@ -14,7 +14,7 @@ from rackctl.client import Client
 from shared import bus, subjects
 from shared.bus import CommandError
 from shared.messages import PoolChanged, PoolView, SimFaults
-from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, unique
+from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, unique, usage_is
 
 CHARGE_OF = (
     "SELECT vcpus, ram_bytes, disk_bytes, generation FROM accounting.instance_charges WHERE instance_id = $1"
@@ -136,8 +136,7 @@ async def test_pool_vms_are_charged_like_any_and_a_pick_moves_no_charge(rack: Ra
     silo, proj, pool = await pool_of(client, 4)
     await idle(client, silo, proj, pool, 4)
     await assert_invariants(db)  # the idle pool VMs are charged as the running instances they are
-    usage = (await client.usage(silo, proj))["usage"]
-    assert usage == {"vcpus": 4, "ram_bytes": 4 * GiB, "disk_bytes": 4 * GiB}
+    await usage_is(client, {"vcpus": 4, "ram_bytes": 4 * GiB, "disk_bytes": 4 * GiB}, silo, proj)
 
     await freeze_provisioning(client, True)
     try:
@@ -151,8 +150,7 @@ async def test_pool_vms_are_charged_like_any_and_a_pick_moves_no_charge(rack: Ra
         await freeze_provisioning(client, False)
     await idle(client, silo, proj, pool, 4)
     await assert_invariants(db)
-    usage = (await client.usage(silo, proj))["usage"]
-    assert usage == {"vcpus": 5, "ram_bytes": 5 * GiB, "disk_bytes": 5 * GiB}
+    await usage_is(client, {"vcpus": 5, "ram_bytes": 5 * GiB, "disk_bytes": 5 * GiB}, silo, proj)
 
 
 async def test_the_checker_would_see_a_vm_handed_out_twice(rack: Rack) -> None:

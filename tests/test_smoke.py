@@ -1,5 +1,5 @@
 from rackctl.client import Client
-from tests.conftest import GiB, wait_state
+from tests.conftest import GiB, usage_is, wait_state
 
 
 async def test_create_start_stop_delete(client: Client, project: tuple[str, str]) -> None:
@@ -8,5 +8,4 @@ async def test_create_start_stop_delete(client: Client, project: tuple[str, str]
     assert v["state"] == "stopped"
     await client.instance("start", silo, proj, "web")
     await wait_state(client, silo, proj, "web", "running")
-    u = await client.usage(silo, proj)
-    assert u["usage"] == {"vcpus": 2, "ram_bytes": 4 * GiB, "disk_bytes": 10 * GiB}
+    await usage_is(client, {"vcpus": 2, "ram_bytes": 4 * GiB, "disk_bytes": 10 * GiB}, silo, proj)

@@ -45,7 +45,7 @@ async def apply_delta(conn: asyncpg.Connection, silo: str, project: str, d: Prov
     """Apply `d` inside the caller's transaction and queue its outcome (and the new usage) as events."""
     if not await conn.fetchval(Q["silo_exists"], d.silo_id):
         raise UnknownSilo(str(d.silo_id))
-    await conn.execute(Q["project_ensure"], d.project_id, d.silo_id)
+    await conn.execute(Q["project_ensure"], d.project_id, d.silo_id, project)
     await conn.execute(Q["charge_row_ensure"], d.instance_id, d.project_id, d.silo_id)
     held = await conn.fetchrow(Q["charge_row_lock"], d.instance_id)
 

@@ -7,7 +7,8 @@ INSERT INTO projects (id, silo_id, name) VALUES ($1, $2, $3)
 ON CONFLICT (id) DO UPDATE SET name = coalesce(EXCLUDED.name, projects.name);
 
 -- name: project_ensure
-INSERT INTO projects (id, silo_id) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING;
+-- A charge may arrive before the project's creation event: its subject names the project.
+INSERT INTO projects (id, silo_id, name) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING;
 
 -- name: silo_exists
 SELECT EXISTS (SELECT 1 FROM silos WHERE id = $1);
