@@ -43,6 +43,7 @@ from shared.messages import (
     SledList,
     StatsGet,
     UsageGet,
+    schema_of,
 )
 
 SOURCE = "rackctl"
@@ -65,6 +66,12 @@ class Client:
 
     async def call(self, subject: str, body: Model) -> Any:
         return await bus.request(self.nc, subject, body, source=SOURCE, timeout=self.timeout)
+
+    async def send(self, body: Model) -> Any:
+        """Send an operator command on the subject its schema and silo name (`rp.cmd.<silo>.<schema's
+        resource>.<verb>`), for callers that built and validated the body themselves."""
+        resource, verb = schema_of(body)[0].removeprefix("rp.cmd.").split(".")
+        return await self.call(subjects.command(getattr(body, "silo", None), resource, verb), body)
 
     # --- silos and projects ---
 

@@ -403,15 +403,7 @@ async def instance_create(ctx: Ctx) -> None:
         disk_bytes=a.disk,
         auto_restart=a.auto_restart,
     )
-    data = await (await ctx.client()).instance_create(
-        ref.silo,
-        ref.project,
-        ref.name,
-        vcpus=body.vcpus,
-        ram_bytes=body.ram_bytes,
-        disk_bytes=body.disk_bytes,
-        auto_restart=body.auto_restart,
-    )
+    data = await (await ctx.client()).send(body)
     ctx.emit(data, lambda v: print(f"created instance {ref}: {_shape(v)} ({v['state']})"))
 
 
@@ -586,15 +578,7 @@ async def pool_create(ctx: Ctx) -> None:
         ram_bytes=a.ram,
         disk_bytes=a.disk,
     )
-    data = await (await ctx.client()).pool_create(
-        ref.silo,
-        ref.project,
-        ref.name,
-        size=body.size,
-        vcpus=body.vcpus,
-        ram_bytes=body.ram_bytes,
-        disk_bytes=body.disk_bytes,
-    )
+    data = await (await ctx.client()).send(body)
     ctx.emit(data, lambda v: print(f"created pool {ref}: {_vms(v['target_size'])} of {_shape(v)}"))
 
 
