@@ -306,8 +306,11 @@ async def _latest_inventories(js: JetStreamContext) -> tuple[list[tuple[Any, Sle
 
 
 async def pool_vms_handed_out_once(js: JetStreamContext) -> list[str]:
-    """No pool VM was handed out twice: across the durable pool events, each VM is picked at most once."""
-    picks: collections.Counter[str] = collections.Counter()
+    """No pool VM was handed out twice: across the durable pool events, each VM is picked at most once.
+
+    A pick is its event's envelope id: a copy of one message (a resend, or a duplicate past the broker's
+    dedupe) is the same pick; another pick of the same VM would be another message."""
+    picks: collections.defaultdict[str, set[str]] = collections.defaultdict(set)
     sub = await js.subscribe(subjects.event("*", "pool", "changed"), ordered_consumer=True)
     try:
         while True:
@@ -316,15 +319,17 @@ async def pool_vms_handed_out_once(js: JetStreamContext) -> list[str]:
             except nats.errors.TimeoutError:
                 break
             try:
-                _, event = decode(msg.data, PoolChanged)
+                env, event = decode(msg.data, PoolChanged)
             except BadMessage:
                 continue
             assert isinstance(event, PoolChanged)
             if event.change == "picked" and event.instance_id is not None:
-                picks[str(event.instance_id)] += 1
+                picks[str(event.instance_id)].add(str(env.id))
     finally:
         await sub.unsubscribe()
-    return [f"pool VM {vm} was handed out {n} times" for vm, n in sorted(picks.items()) if n > 1]
+    return [
+        f"pool VM {vm} was handed out {len(ids)} times" for vm, ids in sorted(picks.items()) if len(ids) > 1
+    ]
 
 
 BROKER_AT_REST = (consumers_settled, no_zombie_vmms, pool_vms_handed_out_once)
