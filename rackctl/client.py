@@ -113,7 +113,7 @@ class Client:
             disk_bytes=disk_bytes,
             auto_restart=auto_restart,
         )
-        return await self.call(subjects.command(silo, "instance", "create"), body)
+        return await self.send(body)
 
     async def instance_from_pool(
         self,
@@ -134,7 +134,7 @@ class Client:
             require_pool=require,
             auto_restart=auto_restart,
         )
-        return await self.call(subjects.command(silo, "instance", "create"), body)
+        return await self.send(body)
 
     async def pool_create(
         self, silo: str, project: str, name: str, *, size: int, vcpus: int, ram_bytes: int, disk_bytes: int
@@ -148,7 +148,7 @@ class Client:
             ram_bytes=ram_bytes,
             disk_bytes=disk_bytes,
         )
-        return await self.call(subjects.command(silo, "pool", "create"), body)
+        return await self.send(body)
 
     async def pool(self, verb: str, silo: str, project: str, name: str, **extra: int) -> Any:
         """show, resize (size=) or delete one pool."""
