@@ -8,6 +8,7 @@ was published was consumed, and what the sleds run has a record. `rackctl check`
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from typing import Any
 
@@ -210,23 +211,48 @@ CONSUMERS = {
 """The services' fixed durable consumers (the sleds' own, `sled-agent-<sled>`, come and go with them)."""
 
 
-async def consumers_settled(js: JetStreamContext) -> list[str]:
-    """At rest: every durable consumer of rackplane's streams has nothing pending and nothing unacked, so
-    everything published was consumed and settled: applied, dropped as stale or duplicate by its handler,
-    or dead-lettered with its reason (the DLQ stream keeps those)."""
+SETTLE_GRACE = 5.0
+"""Seconds a consumer has, at rest, to settle what it held when the check began: sleds publish
+inventories on a timer, so even a quiet rack has one in flight now and then."""
+
+
+async def consumers_settled(js: JetStreamContext, grace: float = SETTLE_GRACE) -> list[str]:
+    """At rest: every durable consumer of rackplane's streams settles everything published before the
+    check began (applied, dropped as stale or duplicate by its handler, or dead-lettered with its reason;
+    the DLQ stream keeps those). A consumer passes at once with nothing pending or unacked; otherwise it
+    passes when, within `grace`, it is seen idle or its ack floor reaches the stream's last message as it
+    was at the start (everything up to the floor is acked, so nothing held then is left)."""
     out = []
     seen: set[str] = set()
+    busy: dict[tuple[str, str], int] = {}
     for stream in subjects.STREAMS:
         try:
             infos = await _consumers_of(js, stream)
+            last = (await js.stream_info(stream)).state.last_seq
         except Exception as e:
             out.append(f"stream {stream}: cannot read its consumers: {type(e).__name__}: {e}")
             continue
         for c in infos:
             seen.add(c.name)
             if c.num_pending or c.num_ack_pending:
+                busy[(stream, c.name)] = last
+    deadline = asyncio.get_running_loop().time() + grace
+    while busy:
+        await asyncio.sleep(min(0.25, grace))
+        final = asyncio.get_running_loop().time() >= deadline
+        for (stream, name), last in list(busy.items()):
+            try:
+                c = await js.consumer_info(stream, name)
+            except nats.js.errors.NotFoundError:
+                del busy[(stream, name)]  # deleted since (a sled removed): nothing of it is left to settle
+                continue
+            floor = c.ack_floor.stream_seq if c.ack_floor else 0
+            if not (c.num_pending or c.num_ack_pending) or floor >= last:
+                del busy[(stream, name)]
+            elif final:
+                del busy[(stream, name)]
                 out.append(
-                    f"consumer {c.name} on {stream}: {c.num_pending or 0} message(s) not delivered, "
+                    f"consumer {name} on {stream}: {c.num_pending or 0} message(s) not delivered, "
                     f"{c.num_ack_pending or 0} not acknowledged"
                 )
     for durable, stream in CONSUMERS.items():
