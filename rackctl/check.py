@@ -119,11 +119,13 @@ async def reservations_match_vmms(conn: asyncpg.Connection) -> list[str]:
 
 
 async def one_live_vmm(conn: asyncpg.Connection) -> list[str]:
-    """No instance has two live VMMs (outside a migration)."""
+    """No instance has two live VMMs outside a migration (where the second is its migration target)."""
     rows = await conn.fetch(
         """
-        SELECT instance_id, count(*) AS n FROM instance_manager.vmms
-        WHERE ended_at IS NULL GROUP BY instance_id HAVING count(*) > 1
+        SELECT v.instance_id, count(*) AS n
+        FROM instance_manager.vmms v JOIN instance_manager.instances i ON i.id = v.instance_id
+        WHERE v.ended_at IS NULL AND v.id IS DISTINCT FROM i.target_vmm_id
+        GROUP BY v.instance_id HAVING count(*) > 1
         """
     )
     return [f"instance {r['instance_id']} has {r['n']} live VMMs" for r in rows]
@@ -155,13 +157,14 @@ async def totals_never_negative(conn: asyncpg.Connection) -> list[str]:
 
 
 async def no_stuck_transitions(conn: asyncpg.Connection) -> list[str]:
-    """At rest: no instance stays starting or stopping longer than the transition timeout (recovery acts
-    on it by then)."""
+    """At rest: no instance stays starting, stopping or migrating longer than the transition timeout
+    (recovery acts on it by then)."""
     rows = await conn.fetch(
         """
         SELECT id, name, state, extract(epoch FROM now() - updated_at) AS age
         FROM instance_manager.instances
-        WHERE state IN ('starting', 'stopping') AND updated_at < now() - make_interval(secs => $1)
+        WHERE state IN ('starting', 'stopping', 'migrating')
+          AND updated_at < now() - make_interval(secs => $1)
         """,
         transition_timeout(),
     )

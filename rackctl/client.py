@@ -15,6 +15,7 @@ from shared.messages import (
     InstanceCreate,
     InstanceDelete,
     InstanceList,
+    InstanceMigrate,
     InstanceShow,
     InstanceStart,
     InstanceStop,
@@ -171,6 +172,11 @@ class Client:
         return await self.call(
             subjects.command(silo, "instance", verb), model(silo=silo, project=project, name=name)
         )
+
+    async def instance_migrate(self, silo: str, project: str, name: str, to_sled: str | None = None) -> Any:
+        """Move a running instance to `to_sled` (or the least loaded sled with room): the instance as the
+        move began, with `migration` naming its source and target."""
+        return await self.send(InstanceMigrate(silo=silo, project=project, name=name, to_sled=to_sled))
 
     async def instance_list(self, silo: str | None = None, project: str | None = None) -> Any:
         return await self.call(

@@ -222,7 +222,7 @@ COMMANDS: dict[tuple[str, ...], Command] = {}
 GROUPS: dict[str, str] = {
     "silo": "silos: tenants, with their quotas",
     "project": "projects inside a silo",
-    "instance": "VM instances: create, start, stop, delete, inspect",
+    "instance": "VM instances: create, start, stop, migrate, delete, inspect",
     "pool": "warm pools: VMs booted ahead, handed to one customer each",
     "sled": "the sleds of the rack",
     "sim": "drive the sled simulator: reboot, freeze, partition, faults (testing only)",
@@ -496,6 +496,37 @@ for _verb, _target in TARGETS.items():
         wait_flag,
         json_flag,
     )(functools.partial(instance_action, _verb))
+
+
+def _migrate_options(p: argparse.ArgumentParser) -> None:
+    instance_arg(p)
+    p.add_argument(
+        "--to", type=sled_name, metavar="SLED_ID", help="the sled to move to (default: the least loaded)"
+    )
+    wait_flag(p)
+    json_flag(p)
+
+
+@command("instance migrate", "move a running instance to another sled without stopping it", _migrate_options)
+async def instance_migrate(ctx: Ctx) -> None:
+    ref: Ref = ctx.args.instance
+    client = await ctx.client()
+    moving = await client.instance_migrate(*ref, to_sled=ctx.args.to)
+    final = moving
+    if ctx.args.wait:
+        final = await _wait_for(ctx, client, ref, moving, "running") or moving
+        if final["active_vmm_id"] != moving["migration"]["target_vmm_id"]:
+            raise Failure(f"{ref} did not move: {final.get('last_error') or 'no reason recorded'}")
+
+    def human(v: dict[str, Any]) -> None:
+        if v["state"] == "migrating":
+            m = moving["migration"]
+            to = m["target_sled_id"] or "a sled not chosen yet"
+            print(f"{ref}: migrating from {m['source_sled_id']} to {to}")
+        else:
+            print(f"{ref}: {v['state']} on {v['sled_id']} ({time.monotonic() - ctx.started:.1f}s)")
+
+    ctx.emit(final, human)
 
 
 async def _wait_for(
@@ -1237,6 +1268,8 @@ def _print_instance(v: dict[str, Any]) -> None:
         ("next restart", _when(v.get("next_restart_at")), False),
         ("sled", v.get("sled_id"), True),
         ("vmm", v.get("active_vmm_id"), True),
+        ("moving to", v.get("target_sled_id"), False),
+        ("target vmm", v.get("target_vmm_id"), False),
         ("last error", v.get("last_error"), False),
         ("failed at", _when(v.get("failed_at")), False),
         ("updated", v.get("updated_at"), True),

@@ -332,8 +332,13 @@ async def serve(
         except CommandError as e:
             reply = Reply(ok=False, error={"code": e.code, "message": e.message})
         except Exception as e:
-            log.exception("command on %s failed", msg.subject)
-            reply = Reply(ok=False, error={"code": "internal", "message": f"{type(e).__name__}: {e}"})
+            if transient(e):  # the database or the broker is away for a while: the caller may retry
+                log.warning("command on %s not served: %s: %s", msg.subject, type(e).__name__, e)
+                why = f"the service cannot reach its database or broker right now ({type(e).__name__}: {e})"
+                reply = Reply(ok=False, error={"code": "unavailable", "message": f"{why}; try again"})
+            else:
+                log.exception("command on %s failed", msg.subject)
+                reply = Reply(ok=False, error={"code": "internal", "message": f"{type(e).__name__}: {e}"})
         if msg.reply:
             try:
                 await msg.respond(reply.model_dump_json().encode())

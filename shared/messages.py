@@ -154,6 +154,8 @@ CHARGED_STATES = frozenset(
 class VmmState(StrEnum):
     starting = "starting"
     running = "running"
+    migrating = "migrating"
+    """A source VMM handing its instance over, or a target VMM waiting to take it."""
     stopping = "stopping"
     stopped = "stopped"
     failed = "failed"
@@ -173,6 +175,11 @@ class AutoRestart(StrEnum):
 # --- commands to sleds (JetStream, rp.sled.<sled>.cmd.*) -----------------------------------------------
 
 
+class MigrationSource(Model):
+    vmm_id: uuid.UUID
+    sled_id: Name
+
+
 @message("rp.sled.vmm.ensure")
 class VmmEnsure(Model):
     """Run this VMM. Idempotent: a VMM the sled already runs, or has already ended, is left as it is."""
@@ -183,11 +190,24 @@ class VmmEnsure(Model):
     ram_bytes: PositiveInt
     boot_id: uuid.UUID | None = None
     """The sled's boot id when the VMM was placed: a sled that has rebooted since fails the VMM at once."""
+    migrate_from: MigrationSource | None = None
+    """Set for a migration target: the VMM waits (state `migrating`) for this source to hand over."""
 
 
 @message("rp.sled.vmm.stop")
 class VmmStop(Model):
     vmm_id: uuid.UUID
+
+
+@message("rp.sled.vmm.migrate")
+class VmmMigrate(Model):
+    """Hand the running VMM's instance over to `target_vmm_id` on `target_sled_id`. Idempotent. On
+    success the source ends (`destroyed`, with `migrated_to` set) and the target runs; if the target is
+    gone or never shows up, the source goes back to running."""
+
+    vmm_id: uuid.UUID
+    target_vmm_id: uuid.UUID
+    target_sled_id: Name
 
 
 @message("rp.sled.vmm.destroy")
@@ -208,6 +228,8 @@ class VmmReport(Model):
     instance_id: uuid.UUID
     state: VmmState
     generation: Generation
+    migrated_to: uuid.UUID | None = None
+    """On a source VMM's terminal report: the VMM its instance now runs on."""
 
 
 class InventoryVmm(Model):
@@ -316,6 +338,10 @@ class InstanceView(Model):
     sled_id: str | None
     vmm_boot_id: uuid.UUID | None
     """The boot of its sled that the active VMM was placed on: it cannot outlive that boot."""
+    target_vmm_id: uuid.UUID | None = None
+    """While migrating: the VMM the instance is moving to (it runs on `sled_id` until the move is done)."""
+    target_sled_id: str | None = None
+    target_vmm_boot_id: uuid.UUID | None = None
     health: Literal["ok", "unknown", "failed"]
     """`unknown`: its sled has gone quiet. Such an instance is neither failed nor restarted."""
     last_error: str | None = None
@@ -424,6 +450,14 @@ class InstanceStart(InstanceRef):
 @message("rp.cmd.instance.stop")
 class InstanceStop(InstanceRef):
     pass
+
+
+@message("rp.cmd.instance.migrate")
+class InstanceMigrate(InstanceRef):
+    """Move a running instance to another sled (`to_sled`, or the least loaded one with room) without
+    stopping it. Its charge does not change; it holds room on both sleds until the move ends."""
+
+    to_sled: Name | None = None
 
 
 @message("rp.cmd.instance.delete")

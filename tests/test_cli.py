@@ -388,6 +388,19 @@ async def test_instance_lifecycle(stack: Stack, project: tuple[str, str]) -> Non
     assert header.split()[:3] == ["INSTANCE", "STATE", "HEALTH"]
     assert row.split()[:3] == [path, "running", "ok"] and "4 GiB" in row
 
+    r = await rackctl(stack, "instance", "migrate", path, "--wait", "--timeout", "30")
+    assert_ok(r)
+    moved = (await rackctl(stack, "instance", "show", path, "--json")).json()
+    assert moved["sled_id"] != shown["sled_id"] and moved["active_vmm_id"] != shown["active_vmm_id"]
+    assert r.out.startswith(f"{path}: running on {moved['sled_id']} ("), r.out
+    r = await rackctl(stack, "instance", "migrate", path, "--to", moved["sled_id"])
+    assert_one_error(r, f"instance already runs on {moved['sled_id']}")
+    r = await rackctl(stack, "instance", "migrate", path, "--to", shown["sled_id"], "--wait", "--json")
+    assert_ok(r)
+    assert (r.json()["state"], r.json()["sled_id"]) == ("running", shown["sled_id"])
+    r = await rackctl(stack, "instance", "migrate", path, "--to", "not a sled")
+    assert r.code == 2 and "invalid sled id" in r.err
+
     r = await rackctl(stack, "instance", "stop", path, "--wait", "--json")
     assert_ok(r)
     assert r.json()["state"] == "stopped"

@@ -1,5 +1,5 @@
-"""Sagas are durable: an instance-manager killed between two start-saga steps resumes the saga when it
-comes back, and leaves no leaked charge, reservation or VMM."""
+"""Sagas are durable: an instance-manager killed between two start-saga (or migrate-saga) steps resumes
+the saga when it comes back, and leaves no leaked charge, reservation or VMM."""
 
 from __future__ import annotations
 
@@ -59,6 +59,39 @@ async def test_a_start_saga_resumes_after_a_crash_before_each_step(crashy: Rack,
     await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
     restart(stack, "instance_manager")
     await wait_state(client, silo, proj, name, "running", timeout=20)
+    await assert_invariants(db)
+
+
+MIGRATE_STEPS = ["place", "create_vmm", "ensure_target", "migrate_source"]
+
+
+@pytest.mark.parametrize("step", MIGRATE_STEPS)
+async def test_a_migrate_saga_resumes_after_a_crash_before_each_step(crashy: Rack, step: str) -> None:
+    stack, client, db = crashy
+    silo, proj, name = f"crash-move-{step.replace('_', '-')}", "p", "vm"
+    await client.silo_create(silo)
+    await client.project_create(silo, proj)
+    await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
+    await client.instance("start", silo, proj, name)
+    before = await wait_state(client, silo, proj, name, "running")
+
+    restart(stack, "instance_manager", crash_at=f"saga:instance-migrate/{step}")
+    client.timeout = 2.0
+    try:
+        await client.instance_migrate(silo, proj, name)
+    except CommandError:
+        pass
+    finally:
+        client.timeout = 15.0
+    await eventually(lambda: _dead(stack), timeout=15)
+    restart(stack, "instance_manager")
+
+    async def moved() -> bool:
+        v = await client.instance("show", silo, proj, name)
+        return v["state"] == "running" and v["sled_id"] != before["sled_id"]
+
+    await eventually(moved, timeout=20)
+    await usage_is(client, {"vcpus": 2, "ram_bytes": GiB, "disk_bytes": GiB}, silo)
     await assert_invariants(db)
 
 

@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 from services.instance_manager import lifecycle, sleds
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
+from services.instance_manager.migrate_saga import MIGRATE
 from services.instance_manager.pools import Pools
 from services.instance_manager.start_saga import START, AlreadyRunning
 from shared import bus, subjects
@@ -20,6 +21,7 @@ from shared.messages import (
     InstanceCreate,
     InstanceDelete,
     InstanceList,
+    InstanceMigrate,
     InstanceRef,
     InstanceRestart,
     InstanceSettle,
@@ -38,7 +40,7 @@ from shared.messages import (
 )
 
 SAGA_REPLY_WAIT = 10.0
-"""How long a create or start waits for its saga before answering "in progress"."""
+"""How long a create, start or migration waits for its saga before answering "in progress"."""
 
 
 class Commands:
@@ -68,6 +70,7 @@ class Commands:
                 InstanceCreate: self.instance_create,
                 InstanceStart: self.instance_start,
                 InstanceStop: self.instance_stop,
+                InstanceMigrate: self.instance_migrate,
                 InstanceDelete: self.instance_delete,
                 InstanceShow: self.instance_show,
                 InstanceList: self.instance_list,
@@ -202,6 +205,22 @@ class Commands:
             v = await lifecycle.stop(self.app, conn, await self._instance_id(conn, body))
         self.app.relay.kick()
         return instance_reply(v)
+
+    async def instance_migrate(self, body: InstanceMigrate, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            instance_id = await self._instance_id(conn, body)
+            params = {"instance_id": str(instance_id), "to_sled": body.to_sled}
+            saga_id = await self.app.sagas.begin(conn, MIGRATE, params)
+        self.app.relay.kick()
+        view = await self._await_saga(saga_id, instance_id, "migration")
+        d = await self.app.sagas.data(saga_id)
+        migration = {
+            "source_vmm_id": d.get("source_vmm_id"),
+            "source_sled_id": d.get("source_sled_id"),
+            "target_vmm_id": d.get("vmm_id"),
+            "target_sled_id": d.get("sled_id"),
+        }
+        return {**view, "migration": migration}
 
     async def instance_delete(self, body: InstanceDelete, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():

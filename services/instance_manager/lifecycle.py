@@ -1,5 +1,5 @@
 """Instance changes that are single transactions: stop, delete, and what a sled's VMM report means for
-the instance."""
+the instance (the end of a migration among them)."""
 
 from __future__ import annotations
 
@@ -80,10 +80,20 @@ async def apply_vmm_report(app: App, report: VmmReport) -> str:
         if terminal:  # this report ended the VMM record: its sled reservation goes with it, exactly once
             await conn.execute(Q["unreserve"], vmm["sled_id"], vmm["vcpus"], vmm["ram_bytes"])
         inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
+        if inst["target_vmm_id"] == report.vmm_id:
+            if report.state is VmmState.running:
+                await _migration_end(app, conn, inst, took_over=True)
+            elif terminal:
+                reason = f"migration target {report.vmm_id} {report.state.value} on {report.sled_id}"
+                await _migration_end(app, conn, inst, took_over=False, reason=reason)
+            telemetry.count("reports.applied")
+            return "applied"
         if inst["active_vmm_id"] != report.vmm_id:
             telemetry.count("reports.detached")
             return "detached"
-        if report.state is VmmState.running and inst["state"] == "starting":
+        if terminal and inst["target_vmm_id"] is not None and report.migrated_to == inst["target_vmm_id"]:
+            await _migration_end(app, conn, inst, took_over=True)  # the source handed over, and ended
+        elif report.state is VmmState.running and inst["state"] == "starting":
             await conn.execute(Q["instance_set_state"], inst["id"], "running", None)
             await app.instance_changed(conn, inst["id"])
         elif report.state is VmmState.stopping and inst["state"] == "running":
@@ -92,17 +102,20 @@ async def apply_vmm_report(app: App, report: VmmReport) -> str:
         elif terminal:
             failed = report.state is not VmmState.stopped
             reason = f"VMM {report.vmm_id} {report.state.value} on {report.sled_id}"
-            await _active_vmm_ended(app, conn, inst["id"], inst["state"], failed, reason)
+            await _active_vmm_ended(app, conn, inst, failed, reason)
         telemetry.count("reports.applied")
         return "applied"
 
 
 async def _active_vmm_ended(
-    app: App, conn: asyncpg.Connection, instance_id: uuid.UUID, state: str, failed: bool, reason: str
+    app: App, conn: asyncpg.Connection, inst: asyncpg.Record, failed: bool, reason: str
 ) -> None:
     """The instance's VMM is gone: it lets go of it and of its vCPU/RAM charge, and is stopped, or failed
-    if it did not mean to stop."""
-    new_state = "failed" if failed and state != "stopping" else "stopped"
+    if it did not mean to stop. A migration under way ends with it: its target has nothing to take over."""
+    instance_id = inst["id"]
+    if inst["target_vmm_id"] is not None:
+        await _end_vmm(conn, inst["target_vmm_id"], "destroyed")
+    new_state = "failed" if failed and inst["state"] != "stopping" else "stopped"
     gen = await conn.fetchval(
         Q["instance_vmm_ended"], instance_id, new_state, reason if new_state == "failed" else None
     )
@@ -110,16 +123,29 @@ async def _active_vmm_ended(
     await app.instance_changed(conn, instance_id)
 
 
-async def fail_vmm(app: App, conn: asyncpg.Connection, vmm_id: uuid.UUID, reason: str) -> str:
-    """A VMM runs nowhere any more (its sled rebooted or was expunged, or it never answered in time).
+async def _migration_end(
+    app: App, conn: asyncpg.Connection, inst: asyncpg.Record, took_over: bool, reason: str | None = None
+) -> None:
+    """A migration is over. If the target took over, it becomes the active VMM and the source's record
+    ends (the sled is told to destroy it, in case it still runs); if not, the instance stays on the
+    source. Either way it is running again, and its charge never moved."""
+    source, target = inst["active_vmm_id"], inst["target_vmm_id"]
+    if took_over:
+        await _end_vmm(conn, source, "destroyed")
+        await conn.fetchval(Q["migration_end"], inst["id"], target, target, None)
+        telemetry.count("migrations.done")
+    else:
+        await conn.fetchval(Q["migration_end"], inst["id"], target, source, f"migration failed: {reason}")
+        telemetry.count("migrations.failed")
+    await app.instance_changed(conn, inst["id"])
 
-    Idempotent: a VMM that has already ended is left alone. The sled is told to destroy it all the same,
-    in case it does still run somewhere (it would be a zombie).
-    """
-    vmm = await conn.fetchrow(Q["vmm_end"], vmm_id, "failed")
+
+async def _end_vmm(conn: asyncpg.Connection, vmm_id: uuid.UUID, state: str) -> asyncpg.Record | None:
+    """End a VMM record the control plane gives up on, and release its room; its sled is told to destroy
+    it, in case it still runs there. Idempotent: returns the record only if this call ended it."""
+    vmm = await conn.fetchrow(Q["vmm_end"], vmm_id, state)
     if vmm is None:
-        telemetry.count("vmms.lost_already_ended")
-        return "already ended"
+        return None
     await conn.execute(Q["unreserve"], vmm["sled_id"], vmm["vcpus"], vmm["ram_bytes"])
     await enqueue(
         conn,
@@ -128,11 +154,27 @@ async def fail_vmm(app: App, conn: asyncpg.Connection, vmm_id: uuid.UUID, reason
         source=SOURCE,
         key=f"destroy:{vmm_id}",
     )
+    return vmm
+
+
+async def fail_vmm(app: App, conn: asyncpg.Connection, vmm_id: uuid.UUID, reason: str) -> str:
+    """A VMM runs nowhere any more (its sled rebooted or was expunged, or it never answered in time).
+
+    Idempotent: a VMM that has already ended is left alone. The sled is told to destroy it all the same,
+    in case it does still run somewhere (it would be a zombie).
+    """
+    vmm = await _end_vmm(conn, vmm_id, "failed")
+    if vmm is None:
+        telemetry.count("vmms.lost_already_ended")
+        return "already ended"
     telemetry.count("vmms.lost")
     inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
+    if inst["target_vmm_id"] == vmm_id:
+        await _migration_end(app, conn, inst, took_over=False, reason=reason)
+        return "migration called off"
     if inst["active_vmm_id"] != vmm_id:
         return "detached"
-    await _active_vmm_ended(app, conn, inst["id"], inst["state"], True, reason)
+    await _active_vmm_ended(app, conn, inst, True, reason)
     return "failed"
 
 

@@ -12,6 +12,7 @@ from services.instance_manager import lifecycle, sleds
 from services.instance_manager.app import SOURCE, App
 from services.instance_manager.commands import Commands
 from services.instance_manager.create_saga import CREATE
+from services.instance_manager.migrate_saga import MIGRATE
 from services.instance_manager.pools import Keeper, Pools
 from services.instance_manager.start_saga import START
 from shared import bus, subjects
@@ -29,6 +30,7 @@ async def build(settings: Settings) -> App:
     app = App(pool, nc, js, settings.database_url)
     app.sagas.register(CREATE)
     app.sagas.register(START)
+    app.sagas.register(MIGRATE)
     return app
 
 

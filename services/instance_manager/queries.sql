@@ -35,6 +35,7 @@ SELECT i.id, s.name AS silo, p.name AS project, i.name, s.id AS silo_id, p.id AS
        i.active_vmm_id, v.sled_id, v.boot_id AS vmm_boot_id, i.last_error, i.failed_at,
        i.auto_restarts, i.last_auto_restart_at, i.updated_at,
        pl.name AS pool, i.provisioned_at, i.has_customer_data_at,
+       i.target_vmm_id, tv.sled_id AS target_sled_id, tv.boot_id AS target_vmm_boot_id,
        CASE
            WHEN i.state = 'failed' THEN 'failed'
            WHEN v.id IS NOT NULL AND (sl.last_seen_at IS NULL
@@ -51,6 +52,7 @@ JOIN silos s ON s.id = p.silo_id
 LEFT JOIN vmms v ON v.id = i.active_vmm_id
 LEFT JOIN sleds sl ON sl.id = v.sled_id
 LEFT JOIN pools pl ON pl.id = i.pool_id
+LEFT JOIN vmms tv ON tv.id = i.target_vmm_id
 WHERE i.id = $1;
 
 -- name: instance_by_name
@@ -68,8 +70,8 @@ WHERE i.state <> 'destroyed' AND ($1::text IS NULL OR s.name = $1) AND ($2::text
 ORDER BY s.name, p.name, i.name;
 
 -- name: instance_lock
-SELECT id, project_id, state, generation, active_vmm_id, vcpus, ram_bytes, disk_bytes, pool_id,
-       has_customer_data_at
+SELECT id, project_id, state, generation, active_vmm_id, target_vmm_id, vcpus, ram_bytes, disk_bytes,
+       pool_id, has_customer_data_at
 FROM instances WHERE id = $1 FOR UPDATE;
 
 -- name: instance_set_state
@@ -121,9 +123,11 @@ RETURNING generation, vcpus, ram_bytes, disk_bytes;
 -- name: place
 -- Placement: pick one active sled with room and reserve on it, in one statement, without locking the
 -- table: SKIP LOCKED passes over sleds another placement is reserving right now. Least loaded first.
+-- A migration target is never placed on its source's sled ($3), and goes to sled $4 if one is named.
 WITH candidate AS (
     SELECT id FROM sleds
     WHERE state = 'active'
+      AND ($3::text IS NULL OR id <> $3) AND ($4::text IS NULL OR id = $4)
       AND vcpus - reserved_vcpus >= $1
       AND ram_bytes - reserved_ram_bytes >= $2
     ORDER BY reserved_vcpus::float8 / vcpus, random()
@@ -182,9 +186,10 @@ ON CONFLICT DO NOTHING;
 SELECT outcome, reason FROM charge_outcomes WHERE instance_id = $1 AND generation = $2;
 
 -- name: instance_vmm_ended
--- The instance's active VMM ended: the instance lets go of it, and is stopped (or failed).
+-- The instance's active VMM ended: the instance lets go of it (and of a migration target), and is
+-- stopped (or failed).
 UPDATE instances
-SET state = $2, active_vmm_id = NULL, generation = generation + 1, provisioned_at = NULL,
+SET state = $2, active_vmm_id = NULL, target_vmm_id = NULL, generation = generation + 1, provisioned_at = NULL,
     last_error = coalesce($3, last_error), updated_at = now(),
     failed_at = CASE WHEN $2 = 'failed' THEN now() ELSE failed_at END
 WHERE id = $1
@@ -206,9 +211,12 @@ WHERE id = $1 AND state = 'creating';
 UPDATE instances SET generation = generation + 1, updated_at = now() WHERE id = $1 RETURNING generation;
 
 -- name: any_sled_with_room
+-- Whether `place` (same parameters) could succeed if no other placement were under way.
 SELECT EXISTS (
     SELECT 1 FROM sleds
-    WHERE state = 'active' AND vcpus - reserved_vcpus >= $1 AND ram_bytes - reserved_ram_bytes >= $2
+    WHERE state = 'active'
+      AND ($3::text IS NULL OR id <> $3) AND ($4::text IS NULL OR id = $4)
+      AND vcpus - reserved_vcpus >= $1 AND ram_bytes - reserved_ram_bytes >= $2
 );
 
 -- name: vmm_exists
@@ -232,3 +240,28 @@ SELECT id FROM vmms WHERE sled_id = $1 AND ended_at IS NULL ORDER BY id;
 -- name: sled_expunge
 -- Irreversible: an expunged sled never receives a placement again (place picks active sleds only).
 UPDATE sleds SET state = 'expunged' WHERE id = $1;
+
+-- name: migrate_interlock
+-- One migration at a time, of a running instance only: a compare-and-set like the start interlock. The
+-- target VMM ($2) is named now, so that every later step and report can be fenced by it.
+UPDATE instances
+SET state = 'migrating', target_vmm_id = $2, generation = generation + 1, updated_at = now()
+WHERE id = $1 AND state = 'running' AND active_vmm_id IS NOT NULL AND target_vmm_id IS NULL
+RETURNING generation, active_vmm_id, vcpus, ram_bytes;
+
+-- name: migration_end
+-- The migration to target $2 is over: the instance runs on $3 (the target if it took over, the source
+-- if not), and is running again. Only while $2 is still its target.
+UPDATE instances
+SET state = 'running', active_vmm_id = $3, target_vmm_id = NULL, generation = generation + 1,
+    last_error = coalesce($4, last_error), updated_at = now()
+WHERE id = $1 AND target_vmm_id = $2 AND state = 'migrating'
+RETURNING generation;
+
+-- name: vmm_insert_target
+INSERT INTO vmms (id, instance_id, sled_id, vcpus, ram_bytes, boot_id, state)
+VALUES ($1, $2, $3, $4, $5, $6, 'migrating')
+ON CONFLICT (id) DO NOTHING;
+
+-- name: instance_target
+SELECT target_vmm_id FROM instances WHERE id = $1;

@@ -145,6 +145,11 @@ class Executor:
     async def error(self, saga_id: uuid.UUID) -> str | None:
         return await self.pool.fetchval(SQL["error"], saga_id)
 
+    async def data(self, saga_id: uuid.UUID) -> dict[str, Any]:
+        """What the saga's steps have recorded so far."""
+        row = await self._load(saga_id)
+        return dict(row["data"]) if row else {}
+
     async def wait_idle(self) -> None:
         while self._running:
             await asyncio.gather(*self._running.values(), return_exceptions=True)

@@ -1,13 +1,17 @@
-"""Sleds as instance-manager knows them: registered and updated from their inventories."""
+"""Sleds as instance-manager knows them: registered and updated from their inventories, and placement
+(room reserved on one of them)."""
 
 from __future__ import annotations
 
 import asyncpg
 
 from services.instance_manager.app import SOURCE, App, Q
+from services.instance_manager.saga import StepFailed
 from shared import subjects
 from shared.db import enqueue
 from shared.messages import SledChanged, SledInventory, SledView
+
+GiB = 2**30
 
 
 async def apply_inventory(app: App, inv: SledInventory) -> None:
@@ -31,3 +35,21 @@ async def announce(app: App, conn: asyncpg.Connection, sled_id: str, change: str
     )
     app.relay.kick()
     return sled
+
+
+async def reserve(
+    tx: asyncpg.Connection, vcpus: int, ram_bytes: int, *, avoid: str | None = None, only: str | None = None
+) -> asyncpg.Record:
+    """Reserve room on the least loaded active sled (never `avoid`; `only` if named): its id and boot id.
+
+    No room anywhere fails the step; room that exists but is being reserved by someone else right now
+    is a transient failure, so the step is retried."""
+    placed = await tx.fetchrow(Q["place"], vcpus, ram_bytes, avoid, only)
+    if placed is not None:
+        return placed
+    if await tx.fetchval(Q["any_sled_with_room"], vcpus, ram_bytes, avoid, only):
+        raise RuntimeError("every sled with room is being reserved right now")
+    room = f"room for {vcpus} vCPUs and {ram_bytes / GiB:g} GiB of RAM"
+    if only is not None:
+        raise StepFailed(f"sled {only} is not active or has no {room}")
+    raise StepFailed(f"no {'other ' if avoid else ''}active sled has {room}")

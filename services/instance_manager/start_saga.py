@@ -16,12 +16,11 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from services.instance_manager import sleds
 from services.instance_manager.app import SOURCE, App, Q
 from services.instance_manager.saga import Context, Saga, Step, StepFailed
 from shared import bus, subjects
 from shared.messages import ProvisionDelta, VmmDestroy, VmmEnsure
-
-GiB = 2**30
 
 
 class AlreadyRunning(Exception):
@@ -94,13 +93,7 @@ async def charge_undo(ctx: Context) -> None:
 
 
 async def place(ctx: Context) -> dict[str, Any]:
-    vcpus, ram = ctx.data["vcpus"], ctx.data["ram_bytes"]
-    placed = await ctx.tx.fetchrow(Q["place"], vcpus, ram)
-    if placed is None:
-        any_room = await ctx.tx.fetchval(Q["any_sled_with_room"], vcpus, ram)
-        if any_room:
-            raise RuntimeError("every sled with room is being reserved right now")  # transient: retried
-        raise StepFailed(f"no active sled has room for {vcpus} vCPUs and {ram / GiB:g} GiB of RAM")
+    placed = await sleds.reserve(ctx.tx, ctx.data["vcpus"], ctx.data["ram_bytes"])
     return {"sled_id": placed["id"], "boot_id": str(placed["boot_id"]) if placed["boot_id"] else None}
 
 

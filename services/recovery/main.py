@@ -30,7 +30,8 @@ async def main(settings: Settings) -> None:
         await pool.execute(
             Q["instance_upsert"], i.id, i.silo, i.project, i.name, i.state.value, i.generation,
             i.auto_restart.value, i.intended_state, i.active_vmm_id, i.sled_id, i.vmm_boot_id,
-            i.failed_at, i.last_auto_restart_at, i.updated_at,
+            i.failed_at, i.last_auto_restart_at, i.updated_at, i.target_vmm_id, i.target_sled_id,
+            i.target_vmm_boot_id,
         )  # fmt: skip
         if i.state == "failed":
             reconciler.wake.set()

@@ -1,13 +1,16 @@
 -- name: instance_upsert
 -- Fenced by generation: an event older than what is held changes nothing.
 INSERT INTO instances (id, silo, project, name, state, generation, auto_restart, intended_state,
-                       active_vmm_id, sled_id, vmm_boot_id, failed_at, last_auto_restart_at, changed_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+                       active_vmm_id, sled_id, vmm_boot_id, failed_at, last_auto_restart_at, changed_at,
+                       target_vmm_id, target_sled_id, target_vmm_boot_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
 ON CONFLICT (id) DO UPDATE
 SET state = EXCLUDED.state, generation = EXCLUDED.generation, auto_restart = EXCLUDED.auto_restart,
     intended_state = EXCLUDED.intended_state, active_vmm_id = EXCLUDED.active_vmm_id,
     sled_id = EXCLUDED.sled_id, vmm_boot_id = EXCLUDED.vmm_boot_id, failed_at = EXCLUDED.failed_at,
-    last_auto_restart_at = EXCLUDED.last_auto_restart_at, changed_at = EXCLUDED.changed_at, updated_at = now()
+    last_auto_restart_at = EXCLUDED.last_auto_restart_at, changed_at = EXCLUDED.changed_at,
+    target_vmm_id = EXCLUDED.target_vmm_id, target_sled_id = EXCLUDED.target_sled_id,
+    target_vmm_boot_id = EXCLUDED.target_vmm_boot_id, updated_at = now()
 WHERE instances.generation < EXCLUDED.generation;
 
 -- name: sled_upsert
@@ -23,19 +26,26 @@ ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state;
 
 -- name: vmms_on_old_boots
 -- Reconciler 1: VMMs placed on an earlier boot of their sled. A sled that came back with a new boot id
--- has lost every VMM it ran: no timeout is needed to know it.
-SELECT i.id, i.active_vmm_id, i.sled_id, s.boot_id
+-- has lost every VMM it ran: no timeout is needed to know it. A migration target counts too.
+SELECT i.id, i.active_vmm_id AS vmm_id, i.sled_id
 FROM instances i JOIN sleds s ON s.id = i.sled_id
 WHERE i.active_vmm_id IS NOT NULL AND i.vmm_boot_id IS NOT NULL AND i.vmm_boot_id <> s.boot_id
-ORDER BY i.id;
+UNION ALL
+SELECT i.id, i.target_vmm_id, i.target_sled_id
+FROM instances i JOIN sleds s ON s.id = i.target_sled_id
+WHERE i.target_vmm_id IS NOT NULL AND i.target_vmm_boot_id IS NOT NULL AND i.target_vmm_boot_id <> s.boot_id
+ORDER BY 1;
 
 -- name: stuck
 -- Reconciler 1: instances starting or stopping for longer than the timeout ($1 s) on a sled that still
 -- answers (its inventory is fresher than $2 s). A sled that went quiet is left alone: its instances'
--- health is unknown, not failed.
-SELECT i.id, i.active_vmm_id, i.sled_id, i.state
+-- health is unknown, not failed. A migration that takes too long is called off by losing its target
+-- (the instance runs on where it was).
+SELECT i.id, CASE WHEN i.state = 'migrating' THEN i.target_vmm_id ELSE i.active_vmm_id END AS vmm_id,
+       i.state
 FROM instances i JOIN sleds s ON s.id = i.sled_id
-WHERE i.state IN ('starting', 'stopping') AND i.active_vmm_id IS NOT NULL
+WHERE ((i.state IN ('starting', 'stopping') AND i.active_vmm_id IS NOT NULL)
+       OR (i.state = 'migrating' AND i.target_vmm_id IS NOT NULL))
   AND i.changed_at < now() - make_interval(secs => $1)
   AND s.last_inventory_at > now() - make_interval(secs => $2)
 ORDER BY i.id;
@@ -44,7 +54,8 @@ ORDER BY i.id;
 -- Reconciler 1: VMMs that a sled's latest inventory lists but that no instance expects.
 SELECT s.id AS sled_id, (v ->> 'vmm_id')::uuid AS vmm_id
 FROM sleds s, jsonb_array_elements(s.vmms) v
-WHERE NOT EXISTS (SELECT 1 FROM instances i WHERE i.active_vmm_id = (v ->> 'vmm_id')::uuid);
+WHERE NOT EXISTS (SELECT 1 FROM instances i WHERE i.active_vmm_id = (v ->> 'vmm_id')::uuid)
+  AND NOT EXISTS (SELECT 1 FROM instances i WHERE i.target_vmm_id = (v ->> 'vmm_id')::uuid);
 
 -- name: unexpected_note
 INSERT INTO unexpected_vmms (vmm_id, sled_id) SELECT * FROM unnest($1::uuid[], $2::text[])

@@ -6,6 +6,7 @@ point, repeated, or run by two replicas at once: the next pass converges.
 Reconciler 1, "what runs where":
   - a VMM placed on an earlier boot of its sled is lost (the sled rebooted): its instance fails, at once;
   - an instance starting or stopping past the timeout, on a sled that still answers, is lost likewise;
+    a migration past the timeout is called off (its target is lost; the instance runs on its source);
   - a VMM a sled runs but nobody expects, for longer than a grace period, is destroyed (a zombie).
 Reconciler 2, "bring them back":
   - a failed instance whose policy is best_effort and that is meant to run is started again, through the
@@ -84,7 +85,7 @@ class Reconciler:
         rows = await self.pool.fetch(Q["vmms_on_old_boots"])
         lost = subjects.command(None, "vmm", "lost")
         await self._ask_all(
-            (lost, VmmLost(vmm_id=r["active_vmm_id"], reason=f"sled {r['sled_id']} rebooted"), "vmm_lost")
+            (lost, VmmLost(vmm_id=r["vmm_id"], reason=f"sled {r['sled_id']} rebooted"), "vmm_lost")
             for r in rows
         )
         return len(rows)
@@ -94,7 +95,7 @@ class Reconciler:
         rows = await self.pool.fetch(Q["stuck"], timeout, sled_unknown_after())
         lost = subjects.command(None, "vmm", "lost")
         await self._ask_all(
-            (lost, VmmLost(vmm_id=r["active_vmm_id"], reason=f"{r['state']} for over {timeout:g}s"), "stuck")
+            (lost, VmmLost(vmm_id=r["vmm_id"], reason=f"{r['state']} for over {timeout:g}s"), "stuck")
             for r in rows
         )
         return len(rows)

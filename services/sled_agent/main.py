@@ -29,6 +29,7 @@ from shared.messages import (
     SimSledThaw,
     VmmDestroy,
     VmmEnsure,
+    VmmMigrate,
     VmmStop,
     schema_of,
 )
@@ -44,6 +45,8 @@ def timing_from_env() -> Timing:
         start_delay=env_float("RACKPLANE_VMM_START_DELAY", 0.2),
         stop_delay=env_float("RACKPLANE_VMM_STOP_DELAY", 0.1),
         report_retry=env_float("RACKPLANE_REPORT_RETRY", 1.0),
+        migrate_delay=env_float("RACKPLANE_MIGRATE_DELAY", 0.3),
+        migrate_timeout=env_float("RACKPLANE_MIGRATE_TIMEOUT", 20.0),
     )
 
 
@@ -79,6 +82,7 @@ class Simulator:
         return sled
 
     def start(self, sled: Sled) -> None:
+        sled.peer = self.sleds.get
         sled.resume()
         self._loops[sled.sled_id] = asyncio.create_task(command_loop(self.js, sled))
 
@@ -104,6 +108,8 @@ async def command_loop(js: JetStreamContext, sled: Sled) -> None:
             await sled.ensure(body)
         elif isinstance(body, VmmStop):
             await sled.stop(body)
+        elif isinstance(body, VmmMigrate):
+            await sled.migrate(body)
         elif isinstance(body, VmmDestroy):
             await sled.destroy(body)
 
@@ -114,7 +120,7 @@ async def command_loop(js: JetStreamContext, sled: Sled) -> None:
         durable=f"sled-agent-{sled.sled_id}",
         filter_subject=subjects.sled_command(sled.sled_id, ">"),
         handler=handle,
-        expect=(VmmEnsure, VmmStop, VmmDestroy),
+        expect=(VmmEnsure, VmmStop, VmmMigrate, VmmDestroy),
         verify=lambda subject, body: subjects.command_error(subject, schema_of(body)[0]),
         max_deliver=1_000_000,  # a frozen sled holds its commands back for as long as it stays frozen
     ).run()

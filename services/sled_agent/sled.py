@@ -4,6 +4,12 @@ Every VMM change bumps the VMM's generation and is reported; a report is retried
 acknowledges it, each attempt carrying the VMM's state as it is then. A VMM that reached a terminal state is
 remembered, so that a late or repeated `ensure` never brings it back.
 
+A migration is the one thing two sleds do together: the target VMM waits (`migrating`) for its source,
+and the source, told to migrate, hands over to it directly (the simulator's sleds share a process, and
+`peer` stands for the network between them); the target then runs and the source ends, reporting where
+its instance went. A target that waits too long fails; a source whose target is gone, or never shows up,
+runs on.
+
 A sled keeps its state (boot id, VMMs) in a small file, so that a restart of the simulator process is not
 a reboot of its sleds: same boot id, same VMMs. A reboot is something else: a new boot id, and every
 VMM gone, without a word about them (a real sled does not report what it lost).
@@ -17,6 +23,7 @@ import logging
 import os
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,7 @@ from shared.messages import (
     SledInventory,
     VmmDestroy,
     VmmEnsure,
+    VmmMigrate,
     VmmReport,
     VmmState,
     VmmStop,
@@ -49,6 +57,10 @@ class SimVmm:
     ram_bytes: int
     state: VmmState = VmmState.starting
     generation: int = 1
+    migrate_from: uuid.UUID | None = None
+    """A migration target: the source VMM it waits for."""
+    migrated_to: uuid.UUID | None = None
+    """A migration source that handed over: the VMM its instance went to."""
 
 
 @dataclass
@@ -56,6 +68,8 @@ class Timing:
     start_delay: float = 0.2
     stop_delay: float = 0.1
     report_retry: float = 1.0
+    migrate_delay: float = 0.3
+    migrate_timeout: float = 20.0
 
 
 @dataclass
@@ -70,6 +84,8 @@ class Sled:
     vmms: dict[uuid.UUID, SimVmm] = field(default_factory=dict)
     ended: dict[uuid.UUID, None] = field(default_factory=dict)
     faults: SimFaults | None = None
+    peer: Callable[[str], Sled | None] | None = None
+    """Another sled by id (None if there is no such sled): where a migration hands over to."""
     frozen: bool = False
     partitioned: bool = False
     _thawed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,10 +115,19 @@ class Sled:
             self.vmms[vmm.vmm_id] = vmm
             self._transition(vmm, VmmState.failed)
             return
+        if cmd.migrate_from is not None:
+            vmm.state, vmm.migrate_from = VmmState.migrating, cmd.migrate_from.vmm_id
         self.vmms[vmm.vmm_id] = vmm
         self._save()
         self._report(vmm)
-        self._spawn(self._finish_start(vmm))
+        self._spawn(self._await_handover(vmm) if vmm.migrate_from else self._finish_start(vmm))
+
+    async def migrate(self, cmd: VmmMigrate) -> None:
+        vmm = self.vmms.get(cmd.vmm_id)
+        if vmm is None or vmm.state is not VmmState.running or self._drops_commands():
+            return  # gone, not running, or handing over already (a repeated command)
+        self._transition(vmm, VmmState.migrating)
+        self._spawn(self._hand_over(vmm, cmd))
 
     async def stop(self, cmd: VmmStop) -> None:
         vmm = self.vmms.get(cmd.vmm_id)
@@ -139,6 +164,39 @@ class Sled:
         await self._thawed.wait()
         if vmm.state is VmmState.stopping and self.vmms.get(vmm.vmm_id) is vmm:
             self._transition(vmm, VmmState.stopped)
+
+    async def _hand_over(self, vmm: SimVmm, cmd: VmmMigrate) -> None:
+        """Try until the target is there to take over, the target is gone, or time runs out."""
+        deadline = asyncio.get_running_loop().time() + self.timing.migrate_timeout
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(self.timing.migrate_delay)
+            await self._thawed.wait()
+            if self.vmms.get(vmm.vmm_id) is not vmm or vmm.state is not VmmState.migrating:
+                return  # destroyed, or lost in a reboot, meanwhile
+            peer = self.peer(cmd.target_sled_id) if self.peer else None
+            if peer is None or cmd.target_vmm_id in peer.ended:
+                break  # the target is gone: nothing to hand over to
+            target = peer.vmms.get(cmd.target_vmm_id)
+            if not (self.reachable and peer.reachable) or target is None:
+                continue  # not reachable, or not there yet
+            if target.state is not VmmState.migrating or target.migrate_from != vmm.vmm_id:
+                break
+            # The hand-over itself: one step of the event loop, so neither side sees it half done.
+            telemetry.count("sled.migrations")
+            peer._transition(target, VmmState.running)
+            vmm.migrated_to = target.vmm_id
+            self._transition(vmm, VmmState.destroyed)
+            return
+        if self.vmms.get(vmm.vmm_id) is vmm and vmm.state is VmmState.migrating:
+            telemetry.count("sled.migrations_abandoned")
+            self._transition(vmm, VmmState.running)
+
+    async def _await_handover(self, vmm: SimVmm) -> None:
+        await asyncio.sleep(self.timing.migrate_timeout)
+        await self._thawed.wait()
+        if vmm.state is VmmState.migrating and self.vmms.get(vmm.vmm_id) is vmm:
+            telemetry.count("sled.migrations_timed_out")
+            self._transition(vmm, VmmState.failed)
 
     def _transition(self, vmm: SimVmm, state: VmmState) -> None:
         vmm.state = state
@@ -200,6 +258,7 @@ class Sled:
             instance_id=vmm.instance_id,
             state=vmm.state,
             generation=vmm.generation,
+            migrated_to=vmm.migrated_to,
         )
         self._spawn(self._deliver(report))
 
@@ -288,7 +347,13 @@ class Sled:
             "ram_bytes": self.ram_bytes,
             "boot_id": str(self.boot_id),
             "vmms": [
-                {**asdict(v), "vmm_id": str(v.vmm_id), "instance_id": str(v.instance_id)}
+                {
+                    **asdict(v),
+                    "vmm_id": str(v.vmm_id),
+                    "instance_id": str(v.instance_id),
+                    "migrate_from": str(v.migrate_from) if v.migrate_from else None,
+                    "migrated_to": None,
+                }
                 for v in self.vmms.values()
             ],
             "ended": [str(v) for v in self.ended],
@@ -311,6 +376,7 @@ class Sled:
                 v["ram_bytes"],
                 VmmState(v["state"]),
                 v["generation"],
+                uuid.UUID(v["migrate_from"]) if v.get("migrate_from") else None,
             )
             sled.vmms[vmm.vmm_id] = vmm
         sled.ended = {uuid.UUID(v): None for v in state["ended"]}
@@ -324,6 +390,10 @@ class Sled:
                 self._spawn(self._finish_start(vmm))
             elif vmm.state is VmmState.stopping:
                 self._spawn(self._finish_stop(vmm))
+            elif vmm.state is VmmState.migrating and vmm.migrate_from is not None:
+                self._spawn(self._await_handover(vmm))
+            elif vmm.state is VmmState.migrating:
+                self._transition(vmm, VmmState.running)  # the hand-over died with the process: run on
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,7 +1,7 @@
 """The seeded chaos scenario: random operator commands under random faults, then quiesce and check.
 
-Random operator commands (create, start, stop, delete, pool picks, sled reboots, one expunge) run from a
-few concurrent workers while faults are injected: message faults in the services' buses (delay,
+Random operator commands (create, start, stop, migrate, delete, pool picks, sled reboots, one expunge)
+run from a few concurrent workers while faults are injected: message faults in the services' buses (delay,
 duplicate, reorder, drop a first attempt, hold acks), report faults in the simulated sleds, sled
 partitions, kill -9 of any service (restarted a moment later), and restarts of nats-server and of
 PostgreSQL. Then every fault is lifted, the system is left to settle, and the invariant checker must find
@@ -49,7 +49,7 @@ CHAOS_ENV = {
 }
 
 WEIGHTS = {
-    "create": 14, "start": 20, "stop": 14, "delete": 5, "pick": 5,
+    "create": 14, "start": 20, "stop": 14, "migrate": 8, "delete": 5, "pick": 5,
     "reboot": 3, "expunge": 1, "partition": 3, "kill": 5, "restart_broker": 1, "restart_database": 1,
     "sled_faults": 4, "service_faults": 5,
 }  # fmt: skip
@@ -155,6 +155,11 @@ class Scenario:
     async def op_stop(self, rng: random.Random) -> str:
         name = self._pick_name(rng)
         await self.client.instance("stop", SILO, PROJECT, name)
+        return name
+
+    async def op_migrate(self, rng: random.Random) -> str:
+        name = self._pick_name(rng)
+        await self.client.instance_migrate(SILO, PROJECT, name)
         return name
 
     async def op_delete(self, rng: random.Random) -> str:
