@@ -33,6 +33,14 @@ def restart(stack: Stack, service: str, crash_at: str | None = None) -> None:
     stack.wait_ready((service,))
 
 
+async def new_instance(client: Client, silo: str) -> tuple[str, str, str]:
+    """A stopped 2-vCPU instance `vm` in project `p` of a new silo."""
+    await client.silo_create(silo)
+    await client.project_create(silo, "p")
+    await client.instance_create(silo, "p", "vm", vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
+    return silo, "p", "vm"
+
+
 async def start_and_let_it_crash(
     stack: Stack, client: Client, silo: str, proj: str, name: str, service: str
 ) -> None:
@@ -50,10 +58,7 @@ async def start_and_let_it_crash(
 @pytest.mark.parametrize("step", STEPS)
 async def test_a_start_saga_resumes_after_a_crash_before_each_step(crashy: Rack, step: str) -> None:
     stack, client, db = crashy
-    silo, proj, name = f"crash-{step.replace('_', '-')}", "p", "vm"
-    await client.silo_create(silo)
-    await client.project_create(silo, proj)
-    await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
+    silo, proj, name = await new_instance(client, f"crash-{step.replace('_', '-')}")
 
     restart(stack, "instance_manager", crash_at=f"saga:instance-start/{step}")
     await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
@@ -68,10 +73,7 @@ MIGRATE_STEPS = ["place", "create_vmm", "ensure_target", "migrate_source"]
 @pytest.mark.parametrize("step", MIGRATE_STEPS)
 async def test_a_migrate_saga_resumes_after_a_crash_before_each_step(crashy: Rack, step: str) -> None:
     stack, client, db = crashy
-    silo, proj, name = f"crash-move-{step.replace('_', '-')}", "p", "vm"
-    await client.silo_create(silo)
-    await client.project_create(silo, proj)
-    await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
+    silo, proj, name = await new_instance(client, f"crash-move-{step.replace('_', '-')}")
     await client.instance("start", silo, proj, name)
     before = await wait_state(client, silo, proj, name, "running")
 

@@ -20,9 +20,14 @@ from typing import Any
 from services.instance_manager import sleds
 from services.instance_manager.app import SOURCE, Q
 from services.instance_manager.saga import Context, Saga, Step, StepFailed
-from services.instance_manager.start_saga import create_vmm_undo, ensure_on_sled_undo, place_undo
+from services.instance_manager.start_saga import (
+    create_vmm_undo,
+    ensure_on_sled,
+    ensure_on_sled_undo,
+    place_undo,
+)
 from shared import bus, subjects
-from shared.messages import MigrationSource, VmmEnsure, VmmMigrate
+from shared.messages import MigrationSource, VmmMigrate
 
 
 async def interlock(ctx: Context) -> dict[str, Any]:
@@ -100,16 +105,8 @@ async def create_vmm(ctx: Context) -> None:
 async def ensure_target(ctx: Context) -> None:
     d = ctx.data
     await _still_on(ctx)
-    cmd = VmmEnsure(
-        vmm_id=uuid.UUID(d["vmm_id"]),
-        instance_id=uuid.UUID(ctx.params["instance_id"]),
-        vcpus=d["vcpus"],
-        ram_bytes=d["ram_bytes"],
-        boot_id=uuid.UUID(d["boot_id"]) if d.get("boot_id") else None,
-        migrate_from=MigrationSource(vmm_id=uuid.UUID(d["source_vmm_id"]), sled_id=d["source_sled_id"]),
-    )
-    subject = subjects.sled_command(d["sled_id"], "vmm.ensure")
-    await bus.publish(ctx.app.js, subject, cmd, source=SOURCE, key=f"ensure:{d['vmm_id']}")
+    source = MigrationSource(vmm_id=uuid.UUID(d["source_vmm_id"]), sled_id=d["source_sled_id"])
+    await ensure_on_sled(ctx, migrate_from=source)
 
 
 async def migrate_source(ctx: Context) -> None:

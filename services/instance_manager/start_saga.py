@@ -20,7 +20,7 @@ from services.instance_manager import sleds
 from services.instance_manager.app import SOURCE, App, Q
 from services.instance_manager.saga import Context, Saga, Step, StepFailed
 from shared import bus, subjects
-from shared.messages import ProvisionDelta, VmmDestroy, VmmEnsure
+from shared.messages import MigrationSource, ProvisionDelta, VmmDestroy, VmmEnsure
 
 
 class AlreadyRunning(Exception):
@@ -126,7 +126,7 @@ async def create_vmm_undo(ctx: Context) -> None:
         await ctx.tx.execute(Q["unreserve"], ended["sled_id"], ended["vcpus"], ended["ram_bytes"])
 
 
-async def ensure_on_sled(ctx: Context) -> None:
+async def ensure_on_sled(ctx: Context, migrate_from: MigrationSource | None = None) -> None:
     d = ctx.data
     cmd = VmmEnsure(
         vmm_id=uuid.UUID(d["vmm_id"]),
@@ -134,6 +134,7 @@ async def ensure_on_sled(ctx: Context) -> None:
         vcpus=d["vcpus"],
         ram_bytes=d["ram_bytes"],
         boot_id=uuid.UUID(d["boot_id"]) if d.get("boot_id") else None,
+        migrate_from=migrate_from,
     )
     await bus.publish(
         ctx.app.js,

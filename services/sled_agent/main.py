@@ -77,7 +77,7 @@ class Simulator:
     def add(self, vcpus: int, ram_bytes: int) -> Sled:
         n = max((int(s.removeprefix("sled-")) for s in self.sleds), default=-1) + 1
         sled = Sled(f"sled-{n}", vcpus, ram_bytes, self.js, self.timing, self.state_dir)
-        sled._save()
+        sled._save(now=True)
         self.sleds[sled.sled_id] = sled
         return sled
 

@@ -11,8 +11,11 @@ its instance went. A target that waits too long fails; a source whose target is 
 runs on.
 
 A sled keeps its state (boot id, VMMs) in a small file, so that a restart of the simulator process is not
-a reboot of its sleds: same boot id, same VMMs. A reboot is something else: a new boot id, and every
-VMM gone, without a word about them (a real sled does not report what it lost).
+a reboot of its sleds: same boot id, same VMMs. Changes are written in batches (one write covers every
+change of the last few milliseconds, as a database's group commit does), and a report leaves only once
+the state it reports is on disk: a sled never reports what a restart would make it forget. A reboot is
+something else: a new boot id, and every VMM gone, without a word about them (a real sled does not report
+what it lost).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 import random
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 SOURCE = "sled-agent"
 REMEMBERED_ENDED = 20_000
 """How many ended VMM ids a sled remembers, so that a late ensure for one is ignored."""
+SAVE_BATCH = 0.02
+"""Seconds a state change waits for others to share its write."""
 
 
 @dataclass
@@ -91,6 +96,11 @@ class Sled:
     _thawed: asyncio.Event = field(default_factory=asyncio.Event)
     _connected: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _changes: int = 0
+    """State changes so far; `_saved` of them are on disk."""
+    _saved: int = 0
+    _on_disk: asyncio.Event = field(default_factory=asyncio.Event)
+    _writer: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self._thawed.set()
@@ -221,7 +231,7 @@ class Sled:
         for vmm_id in list(self.vmms):
             self._forget(vmm_id)
         self.vmms.clear()
-        self._save()
+        self._save(now=True)  # announced at once (its inventory): it must survive a simulator restart
         telemetry.count("sled.reboots")
         log.info("%s rebooted (boot id %s): %d VMMs lost", self.sled_id, self.boot_id, lost)
 
@@ -243,10 +253,12 @@ class Sled:
             self._connected.set()
 
     def shut_down(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
+        for t in [*self._tasks, self._writer]:
+            if t is not None:
+                t.cancel()
         if self.state_dir is not None:
             (self.state_dir / f"{self.sled_id}.json").unlink(missing_ok=True)
+            self.state_dir = None  # gone for good: nothing of it is written again
 
     # --- reports ---
 
@@ -260,12 +272,14 @@ class Sled:
             generation=vmm.generation,
             migrated_to=vmm.migrated_to,
         )
-        self._spawn(self._deliver(report))
+        self._spawn(self._deliver(report, self._changes))
 
-    async def _deliver(self, report: VmmReport) -> None:
-        """Send until acknowledged. Each attempt is its own message: a retry is not a broker duplicate."""
+    async def _deliver(self, report: VmmReport, change: int) -> None:
+        """Send until acknowledged, once change number `change` is on disk. Each attempt is its own
+        message: a retry is not a broker duplicate."""
         subject = subjects.sled_report(self.sled_id, "vmm")
         attempt = 0
+        await self._durable(change)
         while True:
             await self._thawed.wait()
             await self._connected.wait()
@@ -338,9 +352,29 @@ class Sled:
 
     # --- persistence across simulator restarts ---
 
-    def _save(self) -> None:
+    def _save(self, now: bool = False) -> None:
+        """Count a state change; write it with the next batch (`now`: before returning)."""
+        self._changes += 1
         if self.state_dir is None:
-            return
+            self._saved = self._changes
+        elif now:
+            self._write()
+        elif self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_batches())
+
+    async def _write_batches(self) -> None:
+        while self._saved < self._changes:
+            await asyncio.sleep(SAVE_BATCH)
+            self._write()
+
+    async def _durable(self, change: int) -> None:
+        while self._saved < change:
+            self._on_disk.clear()
+            await self._on_disk.wait()
+
+    def _write(self) -> None:
+        assert self.state_dir is not None
+        change = self._changes
         state = {
             "sled_id": self.sled_id,
             "vcpus": self.vcpus,
@@ -348,11 +382,13 @@ class Sled:
             "boot_id": str(self.boot_id),
             "vmms": [
                 {
-                    **asdict(v),
                     "vmm_id": str(v.vmm_id),
                     "instance_id": str(v.instance_id),
+                    "vcpus": v.vcpus,
+                    "ram_bytes": v.ram_bytes,
+                    "state": v.state.value,
+                    "generation": v.generation,
                     "migrate_from": str(v.migrate_from) if v.migrate_from else None,
-                    "migrated_to": None,
                 }
                 for v in self.vmms.values()
             ],
@@ -362,6 +398,8 @@ class Sled:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path)
+        self._saved = change
+        self._on_disk.set()
 
     @classmethod
     def load(cls, path: Path, js: JetStreamContext, timing: Timing) -> Sled:
