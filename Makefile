@@ -17,9 +17,12 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/python -m deploy.stack
 
-## test: lint, then the whole suite against real nats-server and PostgreSQL processes
+## test: lint, then the whole suite against real nats-server and PostgreSQL processes. Tests run on up to
+## 4 workers (one per core), each with stacks of its own; the suite starts some 300 Python processes, so
+## the project is byte-compiled first (whatever PYTHONDONTWRITEBYTECODE says).
 test: install lint
-	$(BIN)/pytest
+	$(BIN)/python -m compileall -q -j 0 shared services rackctl deploy
+	$(BIN)/pytest -n auto --maxprocesses 4 --dist worksteal
 
 lint: install
 	$(BIN)/ruff check .
@@ -28,11 +31,11 @@ lint: install
 ## chaos: a long fault-injection soak: random commands under random faults, then every invariant checked
 ## (make chaos SEED=42 DURATION=600; a failing run prints its seed and the log that replays it)
 chaos: install
-	SEED=$(SEED) DURATION=$(DURATION) $(BIN)/pytest -m chaos -s -p no:cacheprovider -o timeout=0 tests/chaos
+	SEED=$(SEED) DURATION=$(DURATION) $(BIN)/pytest -n 0 -m chaos -s -p no:cacheprovider -o timeout=0 tests/chaos
 
 ## bench: benchmarks; they print ratios against a baseline measured in the same run
 bench: install
-	$(BIN)/pytest -m bench -s -p no:cacheprovider -o timeout=0
+	$(BIN)/pytest -n 0 -m bench -s -p no:cacheprovider -o timeout=0
 
 clean:
 	rm -rf $(VENV) .rackplane .pytest_cache .ruff_cache

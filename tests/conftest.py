@@ -34,6 +34,7 @@ FAST = {
     "RACKPLANE_SLED_UNKNOWN_AFTER": "3",
     "RACKPLANE_TRANSITION_TIMEOUT": "6",
     "RACKPLANE_ZOMBIE_GRACE": "2",
+    "RACKPLANE_ACK_WAIT": "5",  # what a killed consumer held comes back in seconds, not half a minute
     "RACKPLANE_LOG": "INFO",
 }
 
@@ -68,6 +69,21 @@ async def private_rack(name: str, *, timeout: float = 15.0, **env: str) -> Async
 
 async def sleds_known(client: Client, n: int) -> bool:
     return len(await client.sled_list()) >= n
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pg_template() -> Iterator[None]:
+    """One initdb for the whole run: each stack's cluster starts as a copy of it (see deploy/stack.py)."""
+    if os.environ.get("RACKPLANE_PG_TEMPLATE"):
+        yield
+        return
+    folder = Path(tempfile.mkdtemp(prefix="rackplane-pg-template-"))
+    os.environ["RACKPLANE_PG_TEMPLATE"] = str(folder / "data")
+    try:
+        yield
+    finally:
+        del os.environ["RACKPLANE_PG_TEMPLATE"]
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -611,17 +611,12 @@ async def test_reboot_expunge_and_failures_on_a_private_rack(small_rack: tuple[S
 POOL_HEADERS = "POOL VCPUS RAM DISK TARGET IDLE PROVISIONING HANDED OUT".split()
 
 
-async def _pool_json(stack: Stack, pool: str) -> dict[str, Any]:
-    r = await rackctl(stack, "pool", "show", pool, "--json")
-    assert_ok(r)
-    return r.json()
-
-
-async def _pool_reaches(stack: Stack, pool: str, **counts: int) -> dict[str, Any]:
-    """Poll `pool show --json` until the pool's counts are these."""
+async def _pool_reaches(client: Client, pool: str, **counts: int) -> dict[str, Any]:
+    """Poll the pool (through the client: a rackctl process a poll would make the wait slower) until its
+    counts are these."""
 
     async def check() -> dict[str, Any] | None:
-        v = await _pool_json(stack, pool)
+        v = await client.pool("show", *pool.split("/"))
         return v if all(v[k] == n for k, n in counts.items()) else None
 
     return await eventually(check, timeout=40, interval=0.3)
@@ -644,7 +639,7 @@ async def test_pools_through_the_cli_on_a_private_rack(small_rack: tuple[Stack, 
     )
     assert_one_error(again, f"pool {pool} already exists")
 
-    v = await _pool_reaches(stack, pool, idle=2)
+    v = await _pool_reaches(client, pool, idle=2)
     shape = (v["target_size"], v["state"], v["vcpus"], v["ram_bytes"], v["disk_bytes"])
     assert shape == (2, "active", 1, GiB, 2 * GiB), v
     shown = _fields(await rackctl(stack, "pool", "show", pool))
@@ -700,7 +695,7 @@ async def test_pools_through_the_cli_on_a_private_rack(small_rack: tuple[Stack, 
     r = await rackctl(stack, "pool", "resize", pool, "--size", "0")
     assert_ok(r)
     assert r.out.startswith(f"resized pool {pool}: target 0 VMs ("), r.out
-    await _pool_reaches(stack, pool, idle=0, provisioning=0, handed_out=2)
+    await _pool_reaches(client, pool, idle=0, provisioning=0, handed_out=2)
     r = await rackctl(stack, "instance", "create", f"{silo}/p/strict", "--from-pool", pool, "--require-pool")
     assert_one_error(r, f"pool {pool} has no idle VM")
     r = await rackctl(stack, "instance", "create", f"{silo}/p/fresh", "--from-pool", pool, "--timeout", "30")
@@ -725,9 +720,7 @@ async def test_pools_through_the_cli_on_a_private_rack(small_rack: tuple[Stack, 
     assert r.json() == []
 
     async def only_customers_left() -> set[str] | None:  # the retired pool VMs are stopped, then deleted
-        r = await rackctl(stack, "instance", "list", "--project", f"{silo}/p", "--json")
-        assert_ok(r)
-        names = {i["name"] for i in r.json()}
+        names = {i["name"] for i in await client.instance_list(silo, "p")}
         return names if names == {"a", "b", "fresh"} else None
 
     await eventually(only_customers_left, timeout=20, interval=0.3)

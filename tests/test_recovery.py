@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from rackctl.client import Client
+from shared.bus import CommandError
 from shared.messages import AutoRestart, SimFaults
 from tests.conftest import (
     GiB,
@@ -216,9 +217,20 @@ async def test_a_crash_loop_is_throttled_by_the_cooldown_and_a_user_stop_wins(ra
     gaps = [(b["created_at"] - a["created_at"]).total_seconds() for a, b in itertools.pairwise(starts)]
     assert all(g >= 1.9 for g in gaps), gaps
 
-    # The user stops it between two automatic restarts: it stays stopped.
-    await eventually(lambda: _failed(client, silo, proj, "loop"), timeout=10)
-    await client.instance("stop", silo, proj, "loop")
+    # The user stops it between two automatic restarts: it stays stopped. (On a busy machine the next
+    # restart may come before the stop does: a starting instance refuses a stop, so the user tries again.)
+    async def stopped_while_failed() -> bool:
+        if not await _failed(client, silo, proj, "loop"):
+            return False
+        try:
+            await client.instance("stop", silo, proj, "loop")
+        except CommandError as e:
+            if e.code != "conflict":
+                raise
+            return False
+        return True
+
+    await eventually(stopped_while_failed, timeout=20)
     await asyncio.sleep(3)
     final = await client.instance("show", silo, proj, "loop")
     assert final["state"] == "stopped"
@@ -285,10 +297,11 @@ async def test_killing_recovery_mid_pass_and_running_two_replicas_converges(rack
     stack.start_service("recovery", replica="recovery-2")
     stack.wait_ready(("recovery",))
 
-    async def all_running() -> bool:
-        return all(i["state"] == "running" for i in (await states(client, silo, proj)).values())
+    async def all_back() -> bool:  # not merely "running": until recovery has seen the reboot, they seem so
+        now = (await states(client, silo, proj)).values()
+        return all(i["state"] == "running" and i["auto_restarts"] >= 1 for i in now)
 
-    await eventually(all_running, timeout=30)
+    await eventually(all_back, timeout=30)
     await asyncio.sleep(2)
     final = await states(client, silo, proj)
     assert all(i["state"] == "running" for i in final.values())
