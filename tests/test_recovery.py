@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 
 from rackctl.client import Client
+from shared import subjects
 from shared.bus import CommandError
-from shared.messages import AutoRestart, SimFaults
+from shared.messages import AutoRestart, ServiceFaults, SimFaults
 from tests.conftest import (
     GiB,
     Rack,
     assert_invariants,
+    counter,
     eventually,
     private_rack,
     sleds_known,
@@ -177,6 +179,30 @@ async def test_stuck_starting_and_stopping_instances_fail_and_follow_their_polic
         return sum(s["vmms"] for s in await client.sim_sled("list")) == 1
 
     await eventually(no_zombies, timeout=20)
+    await assert_invariants(db)
+
+
+async def test_a_reboot_whose_first_inventory_is_lost_is_answered_and_still_noticed(rack: MakeRack) -> None:
+    """`sim sled reboot` sends the new boot id at once; when that message cannot go, the reboot has happened
+    all the same (the command says so, not `internal`), and the next timed inventory carries the news."""
+    _, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    await start_many(client, silo, proj, ["vm"], {"vm": AutoRestart.best_effort})
+    inventory = subjects.sled_report("sled-0", "inventory")
+    await client.faults("sled-agent", ServiceFaults(drop_first_attempt=True, only=[inventory]))
+    dropped = await counter(client, "sled-agent", "faults.drop_first_attempt")
+    before = (await client.sim_sled("list"))[0]["boot_id"]
+
+    rebooted = await client.sim_sled("reboot", "sled-0")
+    assert rebooted["boot_id"] != before
+    assert await counter(client, "sled-agent", "faults.drop_first_attempt") > dropped
+    await client.faults("sled-agent", ServiceFaults(clear=True))
+
+    async def back() -> bool:
+        v = await client.instance("show", silo, proj, "vm")
+        return v["state"] == "running" and v["auto_restarts"] == 1
+
+    await eventually(back, timeout=20)
     await assert_invariants(db)
 
 

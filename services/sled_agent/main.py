@@ -126,13 +126,19 @@ async def command_loop(js: JetStreamContext, sled: Sled) -> None:
     ).run()
 
 
+async def announce(sled: Sled) -> None:
+    """Send a sled's inventory now. If it cannot go (the broker is away, a fault is injected), the next
+    timed inventory carries the same news: a reboot, say, has happened all the same, and is answered so."""
+    try:
+        await sled.publish_inventory()
+    except Exception as e:
+        log.info("inventory of %s not sent: %s", sled.sled_id, e)
+
+
 async def inventory_loop(sim: Simulator, interval: float) -> None:
     while True:
         for s in list(sim.sleds.values()):
-            try:
-                await s.publish_inventory()
-            except Exception as e:
-                log.info("inventory of %s not sent: %s", s.sled_id, e)
+            await announce(s)
         await asyncio.sleep(interval)
 
 
@@ -150,7 +156,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
     async def reboot(body: SimSledReboot, msg: Msg) -> dict[str, Any]:
         sled = sim.get(body.sled_id)
         sled.reboot()
-        await sled.publish_inventory()
+        await announce(sled)
         return sled.describe()
 
     async def freeze(body: SimSledFreeze, msg: Msg) -> dict[str, Any]:
@@ -161,7 +167,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
     async def thaw(body: SimSledThaw, msg: Msg) -> dict[str, Any]:
         sled = sim.get(body.sled_id)
         sled.thaw()
-        await sled.publish_inventory()
+        await announce(sled)
         return sled.describe()
 
     async def partition(body: SimSledPartition, msg: Msg) -> dict[str, Any]:
@@ -172,7 +178,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
     async def heal(body: SimSledHeal, msg: Msg) -> dict[str, Any]:
         sled = sim.get(body.sled_id)
         sled.partition(False)
-        await sled.publish_inventory()
+        await announce(sled)
         return sled.describe()
 
     async def remove(body: SimSledRemove, msg: Msg) -> dict[str, Any]:
@@ -183,7 +189,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
     async def add(body: SimSledAdd, msg: Msg) -> dict[str, Any]:
         sled = sim.add(body.vcpus, body.ram_bytes)
         sim.start(sled)
-        await sled.publish_inventory()
+        await announce(sled)
         return sled.describe()
 
     handlers: dict[Any, Any] = {
