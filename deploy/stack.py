@@ -157,10 +157,7 @@ class Postgres:
 
     def start(self) -> Postgres:
         self.dir.mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0:
-            pw = pwd.getpwnam(PG_USER)
-            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
-            _make_traversable(self.dir)
+        _hand_to_postgres(self.dir)
         if not (self.data / "PG_VERSION").exists():
             if self.template is None:
                 self._initdb(self.data)
@@ -208,10 +205,7 @@ class Postgres:
         if not (template / "PG_VERSION").exists():
             scratch = template.with_name(f"{template.name}.{os.getpid()}.tmp")
             scratch.mkdir(parents=True, exist_ok=True)
-            if os.geteuid() == 0:
-                pw = pwd.getpwnam(PG_USER)
-                os.chown(scratch, pw.pw_uid, pw.pw_gid)
-                _make_traversable(scratch)
+            _hand_to_postgres(scratch)
             self._initdb(scratch / "data")
             with contextlib.suppress(OSError):  # another process published one first: use that
                 os.rename(scratch / "data", template)
@@ -233,6 +227,14 @@ class Postgres:
     def kill(self) -> None:
         """Stop without a shutdown checkpoint, as a crash would."""
         self.stop("immediate")
+
+
+def _hand_to_postgres(folder: Path) -> None:
+    """As root, PostgreSQL runs as PG_USER: give it the folder, and a way to reach it."""
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam(PG_USER)
+        os.chown(folder, pw.pw_uid, pw.pw_gid)
+        _make_traversable(folder)
 
 
 def _make_traversable(path: Path) -> None:
