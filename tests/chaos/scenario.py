@@ -192,8 +192,8 @@ class Scenario:
         if self.expunged:
             return "(one expunge a run)"
         sled = self._sled(rng)
+        await self.client.sled_expunge(sled)  # refused (the database is down, say): a later try expunges
         self.expunged.add(sled)
-        await self.client.sled_expunge(sled)
         self.report.faults["sled_expunge"] += 1
         return sled
 
