@@ -612,8 +612,7 @@ POOL_HEADERS = "POOL VCPUS RAM DISK TARGET IDLE PROVISIONING HANDED OUT".split()
 
 
 async def _pool_reaches(client: Client, pool: str, **counts: int) -> dict[str, Any]:
-    """Poll the pool (through the client: a rackctl process a poll would make the wait slower) until its
-    counts are these."""
+    """Poll the pool until its counts are these (through the client: a rackctl process per poll is slow)."""
 
     async def check() -> dict[str, Any] | None:
         v = await client.pool("show", *pool.split("/"))
