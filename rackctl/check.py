@@ -10,16 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from shared import subjects
 from shared.config import transition_timeout
-from shared.messages import CHARGED_STATES, BadMessage, PoolChanged, SledInventory, decode
+from shared.messages import (
+    CHARGED_STATES,
+    BadMessage,
+    PoolChanged,
+    Reply,
+    SledInventory,
+    VmmDestroy,
+    decode,
+)
 
 
 async def totals_match_ledger(conn: asyncpg.Connection) -> list[str]:
@@ -361,13 +371,109 @@ async def pool_vms_handed_out_once(js: JetStreamContext) -> list[str]:
     ]
 
 
-BROKER_AT_REST = (consumers_settled, no_zombie_vmms, pool_vms_handed_out_once)
+async def no_claimed_vmm_destroyed(conn: asyncpg.Connection, js: JetStreamContext) -> list[str]:
+    """No VMM was destroyed while an instance claimed it: every destroy order in SLED_CMD came after the
+    end of the VMM's record (an instance holds a VMM exactly while its record is live), or is about a VMM
+    the control plane has no record of (a zombie nobody ever claimed)."""
+    orders: list[tuple[Any, VmmDestroy]] = []
+    sub = await js.subscribe(subjects.sled_command("*", "vmm.destroy"), ordered_consumer=True)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                break
+            try:
+                _, body = decode(msg.data, VmmDestroy)
+            except BadMessage:
+                continue  # not a destroy at all: dead-lettered by its sled, never carried out
+            assert isinstance(body, VmmDestroy)
+            orders.append((msg.metadata.timestamp, body))
+    finally:
+        await sub.unsubscribe()
+    records = {
+        r["id"]: r
+        for r in await conn.fetch(
+            "SELECT id, instance_id, ended_at FROM instance_manager.vmms WHERE id = ANY($1::uuid[])",
+            list({o.vmm_id for _, o in orders}),
+        )
+    }
+    out = []
+    for sent_at, order in orders:
+        r = records.get(order.vmm_id)
+        if r is not None and (r["ended_at"] is None or r["ended_at"] > sent_at):
+            until = "still live" if r["ended_at"] is None else f"live until {r['ended_at'].isoformat()}"
+            out.append(
+                f"VMM {order.vmm_id} of instance {r['instance_id']} was ordered destroyed at "
+                f"{sent_at.isoformat()} while its instance claimed it (its record {until})"
+            )
+    return out
+
+
+async def sled_boots(nc: NATS) -> dict[str, list[dict[str, Any]]] | None:
+    """Each sled's boot history, as the simulated hardware keeps it; None where no simulator answers (a
+    real rack keeps it in its sleds' service processors, which this checker does not read)."""
+    from shared.messages import SimSledList, encode, envelope
+
+    try:
+        raw = await nc.request(subjects.sim_control("sled.list"), encode(envelope(SimSledList(), "check")), 5)
+        reply = Reply.model_validate_json(raw.data)
+    except Exception:
+        return None
+    if not reply.ok:
+        return None
+    return {s["sled_id"]: s.get("boots", []) for s in reply.data}
+
+
+async def no_wrongful_kills(conn: asyncpg.Connection, boots: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """No instance was failed or stopped by the system on the evidence of a reboot while the boot its VMM
+    ran on had not ended: each such failure is held against its sled's boot history (a later boot must
+    have begun before the failure). Sleds no longer simulated are not checked."""
+    rows = await conn.fetch(
+        """
+        SELECT f.instance_id, i.name, f.vmm_id, f.sled_id, f.reason, f.vmm_boot_number,
+               f.proof_boot_number, f.at
+        FROM instance_manager.failures f JOIN instance_manager.instances i ON i.id = f.instance_id
+        WHERE f.kind = 'rebooted'
+        ORDER BY f.seq
+        """
+    )
+    out = []
+    for r in rows:
+        history = boots.get(r["sled_id"])
+        if history is None:
+            continue
+        ended = any(
+            b["number"] > (r["vmm_boot_number"] or 0) and datetime.fromisoformat(b["started_at"]) <= r["at"]
+            for b in history
+        )
+        if not ended:
+            out.append(
+                f"instance {r['name']} ({r['instance_id']}) was failed at {r['at'].isoformat()} by the "
+                f"system ({r['reason']}) while its VMM {r['vmm_id']} ran on boot {r['vmm_boot_number']} of "
+                f"{r['sled_id']}, which had not ended (wrongful kill)"
+            )
+    return out
+
+
+BROKER_AT_REST = (
+    consumers_settled,
+    no_zombie_vmms,
+    pool_vms_handed_out_once,
+    no_claimed_vmm_destroyed,
+    no_wrongful_kills,
+)
 
 
 async def check(
-    conn: asyncpg.Connection, *, at_rest: bool = True, js: JetStreamContext | None = None
+    conn: asyncpg.Connection,
+    *,
+    at_rest: bool = True,
+    js: JetStreamContext | None = None,
+    nc: NATS | None = None,
 ) -> list[str]:
-    """Every check's violations. With `js`, the broker checks too (at rest only)."""
+    """Every check's violations. With `js`, the broker checks too (at rest only); with `nc` as well, the
+    failures the control plane made are held against the simulated sleds' boot history."""
     out: list[str] = []
     for f in ALWAYS + (AT_REST if at_rest else ()):
         out += await f(conn)
@@ -375,6 +481,9 @@ async def check(
         out += await consumers_settled(js)
         out += await no_zombie_vmms(conn, js)
         out += await pool_vms_handed_out_once(js)
+        out += await no_claimed_vmm_destroyed(conn, js)
+    if at_rest and nc is not None and (boots := await sled_boots(nc)) is not None:
+        out += await no_wrongful_kills(conn, boots)
     return out
 
 

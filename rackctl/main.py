@@ -1149,14 +1149,16 @@ async def check_invariants(ctx: Ctx) -> None:
     except (OSError, asyncpg.PostgresError) as e:
         raise ConnectionError(f"cannot reach the database: {type(e).__name__}: {e}") from None
     js: JetStreamContext | None = None
+    nc = None
     violations: list[str] = []
     try:
         if a.at_rest:
             try:
-                js = (await ctx.client()).nc.jetstream()
+                nc = (await ctx.client()).nc
+                js = nc.jetstream()
             except ConnectionError as e:
                 violations.append(f"broker checks not run: {e}")
-        violations += await checker.check(conn, at_rest=a.at_rest, js=js)
+        violations += await checker.check(conn, at_rest=a.at_rest, js=js, nc=nc)
     finally:
         await conn.close()
     checks = checker.names(at_rest=a.at_rest, broker=js is not None)

@@ -60,6 +60,15 @@ class Conflict(CommandError):
         super().__init__("conflict", message)
 
 
+class Refuse(Exception):
+    """Raised by a stream handler for a message that must never be applied (it claims what its sender
+    may not claim): the message is dead-lettered with `reason`, and nothing it asked for happens."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Retry(Exception):
     """Raised by a stream handler when the message cannot be applied yet (it is redelivered later)."""
 
@@ -236,6 +245,9 @@ class Consumer:
         except Retry as r:
             telemetry.count(f"{self.durable}.retried")
             await _settle(msg.nak(delay=r.delay))
+            return
+        except Refuse as r:
+            await self._dead_letter(msg, r.reason)
             return
         except asyncio.CancelledError:
             raise

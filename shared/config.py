@@ -51,6 +51,18 @@ def restart_cooldown() -> float:
     return env_float("RACKPLANE_RESTART_COOLDOWN", 60.0)
 
 
+def restart_backoff_max() -> float:
+    """The longest wait between automatic restarts: the cooldown doubles with each restart in a row that
+    could not start the instance (no room, no quota), up to this."""
+    return env_float("RACKPLANE_RESTART_BACKOFF_MAX", 300.0)
+
+
+def zombie_grace() -> float:
+    """Seconds a VMM must have gone unclaimed before a sled running it is told to destroy it (judged by
+    recovery, which sees it in inventories, and again by instance-manager, by its own records)."""
+    return env_float("RACKPLANE_ZOMBIE_GRACE", 10.0)
+
+
 def sled_unknown_after() -> float:
     """Seconds of silence after which a sled's instances are shown with health `unknown` (never failed)."""
     return env_float("RACKPLANE_SLED_UNKNOWN_AFTER", 3 * env_float("RACKPLANE_INVENTORY_INTERVAL", 5.0))

@@ -3,6 +3,7 @@ was committed before that point, and only that, survives.
 
 `RACKPLANE_CRASH_AT` lists the points, comma-separated. Off (empty) in every real deployment. Points:
   saga:<kind>/<step>          before a saga step runs (`saga:instance-start/undo:interlock` for an undo)
+  saga:<kind>/after:<step>    after a remote step's action, before its progress is committed
   after-commit:<consumer>     after a stream handler's transaction committed, before its ack
 """
 

@@ -8,8 +8,9 @@ import nats.errors
 
 def transient(e: BaseException) -> bool:
     """A failure that says nothing about the message: the database or the broker is away for a while
-    (restarting, unreachable, shutting a connection down). Such a message is retried for as long as it
-    takes, never dead-lettered: the dead-letter stream is for messages that can never be handled."""
+    (restarting, unreachable, shutting a connection down), or two transactions collided. Such a message
+    is retried for as long as it takes, never dead-lettered: the dead-letter stream is for messages that
+    can never be handled."""
     return isinstance(
         e,
         OSError
@@ -18,5 +19,6 @@ def transient(e: BaseException) -> bool:
         | asyncpg.InterfaceError
         | asyncpg.exceptions.OperatorInterventionError
         | asyncpg.exceptions.CannotConnectNowError
+        | asyncpg.exceptions.TransactionRollbackError  # a deadlock or serialization failure: try again
         | nats.errors.Error,
     )

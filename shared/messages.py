@@ -21,6 +21,10 @@ Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 PositiveInt = Annotated[int, Field(gt=0, le=2**50)]
 NonNegativeInt = Annotated[int, Field(ge=0, le=2**62)]
 Generation = Annotated[int, Field(ge=1, le=2**62)]
+BootNumber = Annotated[int, Field(ge=1, le=2**62)]
+"""A sled's boot counter: it only grows, by one at every reboot, and survives restarts of the agent."""
+Sequence = Annotated[int, Field(ge=0, le=2**62)]
+"""A sled's message counter within one boot: (boot number, sequence) orders everything a sled says."""
 
 
 def project_within_silo(cls: type, v: str | None, info: Any) -> str | None:
@@ -188,8 +192,8 @@ class VmmEnsure(Model):
     instance_id: uuid.UUID
     vcpus: PositiveInt
     ram_bytes: PositiveInt
-    boot_id: uuid.UUID | None = None
-    """The sled's boot id when the VMM was placed: a sled that has rebooted since fails the VMM at once."""
+    boot_number: BootNumber | None = None
+    """The sled's boot when the VMM was placed: a sled on a later boot fails the VMM at once."""
     migrate_from: MigrationSource | None = None
     """Set for a migration target: the VMM waits (state `migrating`) for this source to hand over."""
 
@@ -224,6 +228,8 @@ class VmmDestroy(Model):
 class VmmReport(Model):
     sled_id: Name
     boot_id: uuid.UUID
+    boot_number: BootNumber
+    seq: Sequence
     vmm_id: uuid.UUID
     instance_id: uuid.UUID
     state: VmmState
@@ -241,8 +247,12 @@ class InventoryVmm(Model):
 
 @message("rp.sled.inventory")
 class SledInventory(Model):
+    """Everything a sled runs, as of (boot_number, seq): applied only if newer than what is held."""
+
     sled_id: Name
     boot_id: uuid.UUID
+    boot_number: BootNumber
+    seq: Sequence
     vcpus: PositiveInt
     ram_bytes: PositiveInt
     vmms: list[InventoryVmm]
@@ -337,11 +347,13 @@ class InstanceView(Model):
     active_vmm_id: uuid.UUID | None
     sled_id: str | None
     vmm_boot_id: uuid.UUID | None
+    vmm_boot_number: int | None = None
     """The boot of its sled that the active VMM was placed on: it cannot outlive that boot."""
     target_vmm_id: uuid.UUID | None = None
     """While migrating: the VMM the instance is moving to (it runs on `sled_id` until the move is done)."""
     target_sled_id: str | None = None
     target_vmm_boot_id: uuid.UUID | None = None
+    target_vmm_boot_number: int | None = None
     health: Literal["ok", "unknown", "failed"]
     """`unknown`: its sled has gone quiet. Such an instance is neither failed nor restarted."""
     last_error: str | None = None
@@ -366,6 +378,7 @@ class SledView(Model):
     id: str
     state: str
     boot_id: uuid.UUID | None
+    boot_number: int | None = None
     vcpus: int
     ram_bytes: int
     reserved_vcpus: int
@@ -558,15 +571,51 @@ class SledExpunge(Model):
     sled_id: Name
 
 
-# --- recovery's commands to instance-manager (request/reply, fleet subjects) -------------------------
+# --- recovery's orders to instance-manager (request/reply, fleet subjects) ----------------------------
+# An order is a condition: each names what recovery saw, and instance-manager applies it only if all of
+# that still holds under its own row locks; otherwise it answers `stale` and changes nothing.
 
 
 @message("rp.cmd.vmm.lost")
 class VmmLost(Model):
-    """This VMM runs nowhere any more (its sled rebooted, or it never answered in time)."""
+    """The VMM was placed on boot `vmm_boot` of its sled, and the sled has since come back on boot
+    `sled_boot`: a reboot took it. Applied only while the instance is at `generation` with this VMM
+    active (or as its migration target) and instance-manager itself has seen that later boot."""
+
+    instance_id: uuid.UUID
+    generation: Generation
+    vmm_id: uuid.UUID
+    sled_id: Name
+    vmm_boot: BootNumber
+    sled_boot: BootNumber
+
+    @model_validator(mode="after")
+    def _later_boot(self) -> VmmLost:
+        if self.sled_boot <= self.vmm_boot:
+            raise ValueError("sled_boot must be later than vmm_boot: only a later boot proves a VMM lost")
+        return self
+
+
+@message("rp.cmd.vmm.stuck")
+class VmmStuck(Model):
+    """The instance has been `state` (starting, stopping or migrating) past the transition timeout on a
+    sled that answers. Applied only while it is still so, at `generation`, by instance-manager's own clock
+    and records; for a migration, `vmm_id` is the target, and the move is called off."""
+
+    instance_id: uuid.UUID
+    generation: Generation
+    vmm_id: uuid.UUID
+    state: Literal["starting", "stopping", "migrating"]
+
+
+@message("rp.cmd.vmm.zombie")
+class VmmZombie(Model):
+    """Sled `sled_id` runs this VMM and no instance expects it. instance-manager destroys it only if no
+    instance names it as active or target and it has been unclaimed past the grace period by its own
+    records and clock."""
 
     vmm_id: uuid.UUID
-    reason: Annotated[str, Field(min_length=1, max_length=500)]
+    sled_id: Name
 
 
 @message("rp.cmd.instance.restart")
@@ -738,3 +787,6 @@ class ServiceFaults(Model):
     """Apply the faults only to subjects starting with one of these prefixes; empty: every subject."""
     seed: int | None = None
     """Seed the fault layer's random choices (delays, probabilities, shuffles), for a repeatable run."""
+    skip_order_fence: bool | None = None
+    """instance-manager applies recovery's orders without checking what they saw: a deliberate bug, so
+    that a test can show the checker catching the wrongful kills it causes."""

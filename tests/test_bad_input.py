@@ -99,6 +99,8 @@ async def dead_letter(client: Client, service: str, consumer: str) -> Any:
                 {
                     "sled_id": "sled-0",
                     "boot_id": str(uuid.uuid4()),
+                    "boot_number": 1,
+                    "seq": 1,
                     "vmm_id": str(uuid.uuid4()),
                     "instance_id": str(uuid.uuid4()),
                     "state": "running",
@@ -114,6 +116,8 @@ async def dead_letter(client: Client, service: str, consumer: str) -> Any:
                 {
                     "sled_id": "sled-0",
                     "boot_id": str(uuid.uuid4()),
+                    "boot_number": 1,
+                    "seq": 1,
                     "vmm_id": str(uuid.uuid4()),
                     "instance_id": str(uuid.uuid4()),
                     "state": "exploded",
@@ -196,6 +200,8 @@ async def test_a_sled_cannot_report_for_another_sled(client: Client) -> None:
         {
             "sled_id": "sled-2",
             "boot_id": str(uuid.uuid4()),
+            "boot_number": 1,
+            "seq": 1,
             "vmm_id": str(uuid.uuid4()),
             "instance_id": str(uuid.uuid4()),
             "state": "stopped",

@@ -591,7 +591,13 @@ async def test_check_finds_a_vmm_without_a_record(rack: Rack) -> None:
     live = InventoryVmm(vmm_id=v["active_vmm_id"], instance_id=v["id"], state=VmmState.running, generation=3)
     zombie = InventoryVmm(vmm_id=uuid.uuid4(), instance_id=uuid.uuid4(), state=VmmState.running, generation=2)
     inventory = SledInventory(
-        sled_id=v["sled_id"], boot_id=uuid.uuid4(), vcpus=64, ram_bytes=256 * GiB, vmms=[live, zombie]
+        sled_id=v["sled_id"],
+        boot_id=uuid.uuid4(),
+        boot_number=1,
+        seq=1,
+        vcpus=64,
+        ram_bytes=256 * GiB,
+        vmms=[live, zombie],
     )
     async with rack.db.acquire() as conn:
         found = await no_zombie_vmms(conn, InventoryStream(inventory))  # type: ignore[arg-type]

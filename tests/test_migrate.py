@@ -154,7 +154,7 @@ async def test_a_move_with_no_room_anywhere_unwinds_and_leaves_nothing_reserved(
     with pytest.raises(CommandError) as e:
         await client.instance_migrate(silo, proj, name)
     assert e.value.code == "refused"
-    assert "no other active sled has room for 6 vCPUs and 1 GiB of RAM" in e.value.message
+    assert "no other active sled that answers has room for 6 vCPUs and 1 GiB of RAM" in e.value.message
     with pytest.raises(CommandError) as e:
         await client.instance_migrate(silo, proj, name, to_sled=other["sled_id"])
     assert f"sled {other['sled_id']} is not active or has no room" in e.value.message

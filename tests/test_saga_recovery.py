@@ -1,10 +1,14 @@
 """Sagas are durable: an instance-manager killed between two start-saga (or migrate-saga) steps resumes
-the saga when it comes back, and leaves no leaked charge, reservation or VMM."""
+the saga when it comes back, and leaves no leaked charge, reservation or VMM. Killed after a remote step's
+action and before its progress was committed, it finds the effect there on its retry and goes on: one
+running VMM, one charge, and an instance that stops when asked."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
+import asyncpg
 import pytest
 
 from deploy.stack import Stack
@@ -13,7 +17,7 @@ from shared.bus import CommandError
 from shared.messages import Quota
 from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, usage_is, wait_state
 
-STEPS = ["charge", "place", "create_vmm", "ensure_on_sled"]
+STEPS = ["charge", "place", "create_vmm", "ensure_on_sled", "after:charge", "after:ensure_on_sled"]
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +62,69 @@ async def start_and_let_it_crash(
 @pytest.mark.parametrize("step", STEPS)
 async def test_a_start_saga_resumes_after_a_crash_before_each_step(crashy: Rack, step: str) -> None:
     stack, client, db = crashy
-    silo, proj, name = await new_instance(client, f"crash-{step.replace('_', '-')}")
+    silo, proj, name = await new_instance(client, f"crash-{step.replace('_', '-').replace(':', '-')}")
 
     restart(stack, "instance_manager", crash_at=f"saga:instance-start/{step}")
     await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
     restart(stack, "instance_manager")
     await wait_state(client, silo, proj, name, "running", timeout=20)
+    await one_running_vmm_one_charge_and_stoppable(client, db, silo, proj, name)
+
+
+async def one_running_vmm_one_charge_and_stoppable(
+    client: Client, db: asyncpg.Pool, silo: str, proj: str, name: str
+) -> None:
+    v = await client.instance("show", silo, proj, name)
+    async with db.acquire() as conn:
+        live = await conn.fetch(
+            "SELECT id FROM instance_manager.vmms WHERE instance_id = $1 AND ended_at IS NULL",
+            uuid.UUID(v["id"]),
+        )
+    assert [r["id"] for r in live] == [uuid.UUID(v["active_vmm_id"])]
+    await usage_is(client, {"vcpus": 2, "ram_bytes": GiB, "disk_bytes": GiB}, silo)
+    await assert_invariants(db)
+    await client.instance("stop", silo, proj, name)
+    await wait_state(client, silo, proj, name, "stopped")
+    await usage_is(client, {"vcpus": 0, "ram_bytes": 0, "disk_bytes": GiB}, silo)
     await assert_invariants(db)
 
 
-MIGRATE_STEPS = ["place", "create_vmm", "ensure_target", "migrate_source"]
+async def test_a_create_saga_goes_on_after_a_crash_once_its_disk_is_charged(crashy: Rack) -> None:
+    stack, client, db = crashy
+    silo = "crash-after-disk"
+    await client.silo_create(silo)
+    await client.project_create(silo, "p")
+    restart(stack, "instance_manager", crash_at="saga:instance-create/after:charge_disk")
+    client.timeout = 2.0
+    try:
+        await client.instance_create(silo, "p", "vm", vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
+    except CommandError:
+        pass
+    finally:
+        client.timeout = 15.0
+    await eventually(lambda: _dead(stack), timeout=15)
+    restart(stack, "instance_manager")
+    await wait_state(client, silo, "p", "vm", "stopped", timeout=20)
+    await usage_is(client, {"vcpus": 0, "ram_bytes": 0, "disk_bytes": GiB}, silo)
+    await client.instance("start", silo, "p", "vm")
+    await wait_state(client, silo, "p", "vm", "running")
+    await one_running_vmm_one_charge_and_stoppable(client, db, silo, "p", "vm")
+
+
+MIGRATE_STEPS = [
+    "place",
+    "create_vmm",
+    "ensure_target",
+    "migrate_source",
+    "after:ensure_target",
+    "after:migrate_source",
+]
 
 
 @pytest.mark.parametrize("step", MIGRATE_STEPS)
 async def test_a_migrate_saga_resumes_after_a_crash_before_each_step(crashy: Rack, step: str) -> None:
     stack, client, db = crashy
-    silo, proj, name = await new_instance(client, f"crash-move-{step.replace('_', '-')}")
+    silo, proj, name = await new_instance(client, f"crash-move-{step.replace('_', '-').replace(':', '-')}")
     await client.instance("start", silo, proj, name)
     before = await wait_state(client, silo, proj, name, "running")
 
@@ -93,8 +144,7 @@ async def test_a_migrate_saga_resumes_after_a_crash_before_each_step(crashy: Rac
         return v["state"] == "running" and v["sled_id"] != before["sled_id"]
 
     await eventually(moved, timeout=20)
-    await usage_is(client, {"vcpus": 2, "ram_bytes": GiB, "disk_bytes": GiB}, silo)
-    await assert_invariants(db)
+    await one_running_vmm_one_charge_and_stoppable(client, db, silo, proj, name)
 
 
 async def _dead(stack: Stack, service: str = "instance_manager") -> bool:

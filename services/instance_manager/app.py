@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 
 from services.instance_manager.saga import Executor
 from shared import bus, subjects, telemetry
-from shared.config import restart_cooldown, sled_unknown_after
+from shared.config import restart_backoff_max, restart_cooldown, sled_unknown_after
 from shared.db import OutboxRelay, enqueue, queries
 from shared.messages import InstanceChanged, InstanceView, ProvisionDelta, ProvisionOutcome
 
@@ -43,7 +43,9 @@ class App:
     # --- events ---
 
     async def view(self, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
-        r = await conn.fetchrow(Q["instance_view"], instance_id, sled_unknown_after(), restart_cooldown())
+        r = await conn.fetchrow(
+            Q["instance_view"], instance_id, sled_unknown_after(), restart_cooldown(), restart_backoff_max()
+        )
         if r is None:
             raise bus.NotFound(f"no instance {instance_id}")
         return InstanceView.model_validate(dict(r))

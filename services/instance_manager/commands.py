@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle, sleds
+from services.instance_manager import lifecycle, orders, sleds
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.migrate_saga import MIGRATE
@@ -37,6 +37,8 @@ from shared.messages import (
     SledExpunge,
     SledList,
     VmmLost,
+    VmmStuck,
+    VmmZombie,
 )
 
 SAGA_REPLY_WAIT = 10.0
@@ -85,7 +87,12 @@ class Commands:
             {SledList: self.sled_list, SledExpunge: self.sled_expunge},
             queue=q,
         )
-        await bus.serve(nc, subjects.command_pattern("vmm"), {VmmLost: self.vmm_lost}, queue=q)
+        await bus.serve(
+            nc,
+            subjects.command_pattern("vmm"),
+            {VmmLost: self.vmm_lost, VmmStuck: self.vmm_stuck, VmmZombie: self.vmm_zombie},
+            queue=q,
+        )
 
     # --- silos and projects ---
 
@@ -237,7 +244,7 @@ class Commands:
             ids = await conn.fetch(Q["instance_list"], body.silo, body.project)
             return [instance_reply(await self.app.view(conn, r["id"])) for r in ids]
 
-    # --- recovery's commands ---
+    # --- recovery's orders (orders.py: each applied only if what recovery saw still holds) ---
 
     async def instance_restart(self, body: InstanceRestart, msg: Msg) -> dict[str, Any]:
         params = {"instance_id": str(body.instance_id), "expected_generation": body.generation}
@@ -246,7 +253,7 @@ class Commands:
                 async with conn.transaction():
                     saga_id = await self.app.sagas.begin(conn, START, params)
             except AlreadyRunning:
-                raise bus.Conflict("instance is already running") from None
+                raise orders.Stale("restart", "instance is already running") from None
         self.app.relay.kick()
         self.app.sagas.launch(saga_id)
         return {"saga_id": str(saga_id)}
@@ -254,13 +261,25 @@ class Commands:
     async def instance_settle(self, body: InstanceSettle, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():
             if not await lifecycle.settle(self.app, conn, body.instance_id, body.generation):
-                raise bus.Conflict(f"instance is not failed at generation {body.generation}")
+                raise orders.Stale("settle", f"instance is not failed at generation {body.generation}")
         self.app.relay.kick()
         return {"settled": True}
 
     async def vmm_lost(self, body: VmmLost, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():
-            result = await lifecycle.fail_vmm(self.app, conn, body.vmm_id, body.reason)
+            result = await orders.lost(self.app, conn, body)
+        self.app.relay.kick()
+        return {"result": result}
+
+    async def vmm_stuck(self, body: VmmStuck, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            result = await orders.stuck(self.app, conn, body)
+        self.app.relay.kick()
+        return {"result": result}
+
+    async def vmm_zombie(self, body: VmmZombie, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            result = await orders.zombie(self.app, conn, body)
         self.app.relay.kick()
         return {"result": result}
 

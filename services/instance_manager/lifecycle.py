@@ -1,10 +1,12 @@
 """Instance changes that are single transactions: stop, delete, and what a sled's VMM report means for
-the instance (the end of a migration among them)."""
+the instance (the end of a migration among them), and failing a VMM that runs nowhere any more, with the
+evidence of why."""
 
 from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 
 import asyncpg
 
@@ -70,11 +72,23 @@ async def apply_vmm_report(app: App, report: VmmReport) -> str:
     terminal = report.state.terminal
     async with app.pool.acquire() as conn, conn.transaction():
         vmm = await conn.fetchrow(
-            Q["vmm_apply_report"], report.vmm_id, report.state.value, report.generation, terminal
+            Q["vmm_apply_report"],
+            report.vmm_id,
+            report.state.value,
+            report.generation,
+            terminal,
+            report.sled_id,
+            report.boot_number,
         )
         if vmm is None:
-            known = await conn.fetchval(Q["vmm_exists"], report.vmm_id)
-            result = "stale" if known else "unknown"
+            placed = await conn.fetchrow(Q["vmm_placed"], report.vmm_id)
+            if placed is not None and placed["sled_id"] != report.sled_id:
+                telemetry.count("reports.wrong_sled")
+                raise bus.Refuse(
+                    f"forbidden: {report.sled_id} reports on VMM {report.vmm_id}, which runs on "
+                    f"{placed['sled_id']}: a sled speaks only for its own VMMs"
+                )
+            result = "unknown" if placed is None else "stale"
             telemetry.count(f"reports.{result}")
             return result
         if terminal:  # this report ended the VMM record: its sled reservation goes with it, exactly once
@@ -102,20 +116,51 @@ async def apply_vmm_report(app: App, report: VmmReport) -> str:
         elif terminal:
             failed = report.state is not VmmState.stopped
             reason = f"VMM {report.vmm_id} {report.state.value} on {report.sled_id}"
-            await _active_vmm_ended(app, conn, inst, failed, reason)
+            evidence = Evidence("vmm", vmm["boot_number"], report.boot_number) if failed else None
+            await _active_vmm_ended(app, conn, inst, vmm, reason, evidence)
         telemetry.count("reports.applied")
         return "applied"
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """Why the control plane ended a VMM that an instance relied on: kept with the failure, so that the
+    checker can hold it against the sleds' own boot history."""
+
+    kind: str
+    """rebooted, stuck, expunged, or vmm (its sled reported it failed)."""
+    vmm_boot: int | None
+    """The boot of its sled the VMM was placed on."""
+    proof_boot: int | None
+    """The sled's boot that shows it gone (for `rebooted`: a later one)."""
+
+
 async def _active_vmm_ended(
-    app: App, conn: asyncpg.Connection, inst: asyncpg.Record, failed: bool, reason: str
+    app: App,
+    conn: asyncpg.Connection,
+    inst: asyncpg.Record,
+    vmm: asyncpg.Record,
+    reason: str,
+    evidence: Evidence | None,
 ) -> None:
     """The instance's VMM is gone: it lets go of it and of its vCPU/RAM charge, and is stopped, or failed
-    if it did not mean to stop. A migration under way ends with it: its target has nothing to take over."""
+    if it did not mean to stop (`evidence` says why it failed; None for a VMM that stopped as asked). A
+    migration under way ends with it: its target has nothing to take over."""
     instance_id = inst["id"]
     if inst["target_vmm_id"] is not None:
         await _end_vmm(conn, inst["target_vmm_id"], "destroyed")
-    new_state = "failed" if failed and inst["state"] != "stopping" else "stopped"
+    if evidence is not None:
+        await conn.execute(
+            Q["failure_record"],
+            instance_id,
+            vmm["id"],
+            vmm["sled_id"],
+            evidence.kind,
+            reason,
+            evidence.vmm_boot,
+            evidence.proof_boot,
+        )
+    new_state = "failed" if evidence is not None and inst["state"] != "stopping" else "stopped"
     gen = await conn.fetchval(
         Q["instance_vmm_ended"], instance_id, new_state, reason if new_state == "failed" else None
     )
@@ -140,9 +185,25 @@ async def _migration_end(
     await app.instance_changed(conn, inst["id"])
 
 
+async def end_unclaimed_vmm(conn: asyncpg.Connection, vmm_id: uuid.UUID) -> None:
+    """A saga's undo of a VMM it made: end the record (and have the sled destroy it), unless an instance
+    runs on it by now. No undo ever ends an instance's active VMM: a step retried after the move or the
+    start it began had already completed finds the VMM in use, and leaves it so."""
+    vmm = await conn.fetchrow(Q["vmm_lock"], vmm_id, 0)
+    if vmm is None or vmm["ended_at"] is not None:
+        return
+    inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
+    if inst["active_vmm_id"] == vmm_id and inst["state"] in ("running", "stopping", "migrating"):
+        telemetry.count("saga.undo_spared_active_vmm")
+        log.warning("undo of VMM %s left it alone: instance %s runs on it", vmm_id, inst["id"])
+        return
+    await _end_vmm(conn, vmm_id, "destroyed")
+
+
 async def _end_vmm(conn: asyncpg.Connection, vmm_id: uuid.UUID, state: str) -> asyncpg.Record | None:
     """End a VMM record the control plane gives up on, and release its room; its sled is told to destroy
-    it, in case it still runs there. Idempotent: returns the record only if this call ended it."""
+    it, in case it still runs there (through the outbox, so the order always follows the record's end).
+    Idempotent: returns the record only if this call ended it."""
     vmm = await conn.fetchrow(Q["vmm_end"], vmm_id, state)
     if vmm is None:
         return None
@@ -157,11 +218,14 @@ async def _end_vmm(conn: asyncpg.Connection, vmm_id: uuid.UUID, state: str) -> a
     return vmm
 
 
-async def fail_vmm(app: App, conn: asyncpg.Connection, vmm_id: uuid.UUID, reason: str) -> str:
+async def fail_vmm(
+    app: App, conn: asyncpg.Connection, vmm_id: uuid.UUID, reason: str, evidence: Evidence
+) -> str:
     """A VMM runs nowhere any more (its sled rebooted or was expunged, or it never answered in time).
 
     Idempotent: a VMM that has already ended is left alone. The sled is told to destroy it all the same,
-    in case it does still run somewhere (it would be a zombie).
+    in case it does still run somewhere (it would be a zombie). The caller has checked that this is so
+    (orders.py): this only carries it out.
     """
     vmm = await _end_vmm(conn, vmm_id, "failed")
     if vmm is None:
@@ -174,7 +238,7 @@ async def fail_vmm(app: App, conn: asyncpg.Connection, vmm_id: uuid.UUID, reason
         return "migration called off"
     if inst["active_vmm_id"] != vmm_id:
         return "detached"
-    await _active_vmm_ended(app, conn, inst, True, reason)
+    await _active_vmm_ended(app, conn, inst, vmm, reason, evidence)
     return "failed"
 
 
@@ -186,7 +250,8 @@ async def expunge(app: App, conn: asyncpg.Connection, sled_id: str) -> int:
     await conn.execute(Q["sled_expunge"], sled_id)
     vmms = await conn.fetch(Q["vmms_live_on_sled"], sled_id)
     for v in vmms:
-        await fail_vmm(app, conn, v["id"], f"sled {sled_id} was expunged")
+        evidence = Evidence("expunged", v["boot_number"], sled["boot_number"])
+        await fail_vmm(app, conn, v["id"], f"sled {sled_id} was expunged", evidence)
     return len(vmms)
 
 

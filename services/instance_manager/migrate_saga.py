@@ -1,10 +1,17 @@
 """The instance migrate saga: move a running instance to another sled without stopping it.
 
     interlock       pass the "one move at a time" compare-and-set     undo: the instance stays put
-    place           reserve room on another active sled               undo: release the reservation
-    create_vmm      record the target VMM on that sled                undo: end the target VMM record
-    ensure_target   ask the target sled to await the instance         undo: ask it to destroy the target
+    place           reserve room on another active sled that answers  undo: release the reservation
+    create_vmm      look at the sled again; record the target VMM     undo: end the target VMM record,
+                                                                            and have its sled destroy it
+    ensure_target   ask the target sled to await the instance
     migrate_source  ask the source sled to hand the instance over
+
+The two remote steps first look at where the move stands, under the instance's lock: still under way,
+they ask their sled; already over with the target running the instance (a retry after the move ended),
+they succeed without asking anything; called off (its source or target was lost), they fail, and the
+saga unwinds. No undo ever ends the VMM an instance runs on: the target's undo leaves it alone once the
+instance has moved to it.
 
 As with a start, the saga ends once the sleds have been asked; the move ends with the sleds' reports
 (see lifecycle.py): the target reporting running, or the source reporting that it handed over, makes the
@@ -17,14 +24,17 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import asyncpg
+
 from services.instance_manager import sleds
 from services.instance_manager.app import SOURCE, Q
 from services.instance_manager.saga import Context, Saga, Step, StepFailed
 from services.instance_manager.start_saga import (
     create_vmm_undo,
     ensure_on_sled,
-    ensure_on_sled_undo,
     place_undo,
+    placement,
+    record_vmm,
 )
 from shared import bus, subjects
 from shared.messages import MigrationSource, VmmMigrate
@@ -83,20 +93,16 @@ async def place(ctx: Context) -> dict[str, Any]:
     placed = await sleds.reserve(
         ctx.tx, d["vcpus"], d["ram_bytes"], avoid=d["source_sled_id"], only=ctx.params.get("to_sled")
     )
-    return {"sled_id": placed["id"], "boot_id": str(placed["boot_id"]) if placed["boot_id"] else None}
+    return placement(placed)
 
 
 async def create_vmm(ctx: Context) -> None:
-    d = ctx.data
     instance_id = uuid.UUID(ctx.params["instance_id"])
-    target = uuid.UUID(d["vmm_id"])
+    await sleds.still_placeable(ctx.tx, ctx.data["sled_id"])
     inst = await ctx.tx.fetchrow(Q["instance_lock"], instance_id)
-    if inst is None or inst["target_vmm_id"] != target:
+    if inst is None or inst["target_vmm_id"] != uuid.UUID(ctx.data["vmm_id"]):
         raise StepFailed("the migration was called off: its source VMM ended")
-    boot_id = uuid.UUID(d["boot_id"]) if d.get("boot_id") else None
-    await ctx.tx.execute(
-        Q["vmm_insert_target"], target, instance_id, d["sled_id"], d["vcpus"], d["ram_bytes"], boot_id
-    )
+    await record_vmm(ctx, "migrating")
     # Tell everyone where the instance is going (recovery watches that sled's boots from now on).
     await ctx.tx.execute(Q["instance_bump"], instance_id)
     await ctx.app.instance_changed(ctx.tx, instance_id)
@@ -104,30 +110,40 @@ async def create_vmm(ctx: Context) -> None:
 
 async def ensure_target(ctx: Context) -> None:
     d = ctx.data
-    await _still_on(ctx)
+    if await _where_the_move_stands(ctx) == "done":
+        return
     source = MigrationSource(vmm_id=uuid.UUID(d["source_vmm_id"]), sled_id=d["source_sled_id"])
     await ensure_on_sled(ctx, migrate_from=source)
 
 
 async def migrate_source(ctx: Context) -> None:
     d = ctx.data
-    await _still_on(ctx)
     cmd = VmmMigrate(
         vmm_id=uuid.UUID(d["source_vmm_id"]),
         target_vmm_id=uuid.UUID(d["vmm_id"]),
         target_sled_id=d["sled_id"],
     )
     subject = subjects.sled_command(d["source_sled_id"], "vmm.migrate")
-    await bus.publish(
-        ctx.app.js, subject, cmd, source=SOURCE, key=f"migrate:{d['source_vmm_id']}:{d['vmm_id']}"
-    )
+    async with ctx.app.pool.acquire() as conn, conn.transaction():
+        if await _where_the_move_stands(ctx, conn) == "done":
+            return
+        await bus.publish(
+            ctx.app.js, subject, cmd, source=SOURCE, key=f"migrate:{d['source_vmm_id']}:{d['vmm_id']}"
+        )
 
 
-async def _still_on(ctx: Context) -> None:
-    """A remote step asks a sled for nothing once the move is over (its source or target was lost)."""
-    target = await ctx.app.pool.fetchval(Q["instance_target"], uuid.UUID(ctx.params["instance_id"]))
-    if target != uuid.UUID(ctx.data["vmm_id"]):
+async def _where_the_move_stands(ctx: Context, conn: asyncpg.Connection | None = None) -> str:
+    """`under way` or `done` (the target runs the instance); a move called off fails the step. With
+    `conn`, the instance stays locked until its transaction ends, so the answer holds while a sled is
+    asked."""
+    instance_id, target = uuid.UUID(ctx.params["instance_id"]), uuid.UUID(ctx.data["vmm_id"])
+    q = Q["instance_lock"] if conn is not None else Q["instance_vmms"]
+    inst = await (conn or ctx.app.pool).fetchrow(q, instance_id)
+    if inst is not None and inst["active_vmm_id"] == target:
+        return "done"
+    if inst is None or inst["target_vmm_id"] != target:
         raise StepFailed("the migration was called off: its source or target VMM ended")
+    return "under way"
 
 
 MIGRATE = Saga(
@@ -136,7 +152,7 @@ MIGRATE = Saga(
         Step("interlock", interlock, interlock_undo),
         Step("place", place, place_undo),
         Step("create_vmm", create_vmm, create_vmm_undo),
-        Step("ensure_target", ensure_target, ensure_on_sled_undo, local=False, undo_local=False),
+        Step("ensure_target", ensure_target, local=False),
         Step("migrate_source", migrate_source, local=False),
     ],
 )

@@ -29,13 +29,17 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating', $8, CASE WHEN $8::uuid IS NULL T
 
 -- name: instance_view
 -- Everything a reply or an event says about an instance. $2: seconds of sled silence after which its
--- instances' health is unknown; $3: the automatic restart cooldown, in seconds.
+-- instances' health is unknown; $3: the automatic restart cooldown, in seconds; $4: the longest wait
+-- between automatic restarts. The cooldown doubles with each restart in a row that could not start
+-- the instance (no room, no quota), up to $4: the one rule for when the next restart is due.
 SELECT i.id, s.name AS silo, p.name AS project, i.name, s.id AS silo_id, p.id AS project_id,
        i.vcpus, i.ram_bytes, i.disk_bytes, i.auto_restart, i.state, i.intended_state, i.generation,
-       i.active_vmm_id, v.sled_id, v.boot_id AS vmm_boot_id, i.last_error, i.failed_at,
+       i.active_vmm_id, v.sled_id, v.boot_id AS vmm_boot_id, v.boot_number AS vmm_boot_number,
+       i.last_error, i.failed_at,
        i.auto_restarts, i.last_auto_restart_at, i.updated_at,
        pl.name AS pool, i.provisioned_at, i.has_customer_data_at,
        i.target_vmm_id, tv.sled_id AS target_sled_id, tv.boot_id AS target_vmm_boot_id,
+       tv.boot_number AS target_vmm_boot_number,
        CASE
            WHEN i.state = 'failed' THEN 'failed'
            WHEN v.id IS NOT NULL AND (sl.last_seen_at IS NULL
@@ -44,7 +48,8 @@ SELECT i.id, s.name AS silo, p.name AS project, i.name, s.id AS silo_id, p.id AS
        END AS health,
        CASE
            WHEN i.state = 'failed' AND i.auto_restart = 'best_effort' AND i.intended_state = 'running'
-           THEN greatest(i.failed_at, i.last_auto_restart_at + make_interval(secs => $3))
+           THEN greatest(i.failed_at, i.last_auto_restart_at
+                         + make_interval(secs => least($3 * 2 ^ least(i.restart_failures, 30), greatest($3, $4))))
        END AS next_restart_at
 FROM instances i
 JOIN projects p ON p.id = i.project_id
@@ -79,6 +84,7 @@ FROM instances WHERE id = $1 FOR UPDATE;
 -- runs: set on running, cleared on the way down.
 UPDATE instances
 SET state = $2, generation = generation + 1, last_error = coalesce($3, last_error), updated_at = now(),
+    restart_failures = CASE WHEN $2 = 'running' THEN 0 ELSE restart_failures END,
     provisioned_at = CASE WHEN $2 = 'running' THEN now()
                           WHEN $2 IN ('stopping', 'stopped', 'failed') THEN NULL
                           ELSE provisioned_at END
@@ -108,9 +114,15 @@ WHERE id = $1 AND state IN ('stopped', 'failed') AND active_vmm_id IS NULL
 RETURNING generation, project_id, vcpus, ram_bytes, disk_bytes;
 
 -- name: start_interlock_release
--- Undo of the interlock: only if the instance is still ours (our VMM is still the active one).
+-- Undo of the interlock: only if the instance is still ours (our VMM is still the active one). A user's
+-- start that failed leaves the instance stopped and meant to stay so, with the reason; an automatic
+-- restart ($4) that failed leaves it failed and still meant to run, and counts the failure, so that the
+-- next try backs off (see instance_view's next_restart_at).
 UPDATE instances
-SET state = 'stopped', active_vmm_id = NULL, last_error = $3, generation = generation + 1, updated_at = now()
+SET state = CASE WHEN $4 THEN 'failed' ELSE 'stopped' END,
+    intended_state = CASE WHEN $4 THEN intended_state ELSE 'stopped' END,
+    restart_failures = restart_failures + CASE WHEN $4 THEN 1 ELSE 0 END,
+    active_vmm_id = NULL, last_error = $3, generation = generation + 1, updated_at = now()
 WHERE id = $1 AND active_vmm_id = $2
 RETURNING generation;
 
@@ -121,32 +133,42 @@ WHERE id = $1 AND active_vmm_id = $2
 RETURNING generation, vcpus, ram_bytes, disk_bytes;
 
 -- name: place
--- Placement: pick one active sled with room and reserve on it, in one statement, without locking the
--- table: SKIP LOCKED passes over sleds another placement is reserving right now. Least loaded first.
--- A migration target is never placed on its source's sled ($3), and goes to sled $4 if one is named.
+-- Placement: pick one active sled that answers (its last inventory is younger than $5 seconds) with room
+-- and reserve on it, in one statement, without locking the table: SKIP LOCKED passes over sleds another
+-- placement is reserving (or an expunge is taking out) right now. Least loaded first. A migration target
+-- is never placed on its source's sled ($3), and goes to sled $4 if one is named. The row lock is NO KEY
+-- UPDATE, so that a VMM record being inserted on the sled (its foreign key takes KEY SHARE) is no reason
+-- to pass it over; an expunge (FOR UPDATE) is.
 WITH candidate AS (
     SELECT id FROM sleds
-    WHERE state = 'active'
+    WHERE state = 'active' AND last_seen_at > now() - make_interval(secs => $5)
       AND ($3::text IS NULL OR id <> $3) AND ($4::text IS NULL OR id = $4)
       AND vcpus - reserved_vcpus >= $1
       AND ram_bytes - reserved_ram_bytes >= $2
     ORDER BY reserved_vcpus::float8 / vcpus, random()
     LIMIT 1
-    FOR UPDATE SKIP LOCKED
+    FOR NO KEY UPDATE SKIP LOCKED
 )
 UPDATE sleds s
 SET reserved_vcpus = s.reserved_vcpus + $1, reserved_ram_bytes = s.reserved_ram_bytes + $2
 FROM candidate
 WHERE s.id = candidate.id
-RETURNING s.id, s.boot_id;
+RETURNING s.id, s.boot_id, s.boot_number;
+
+-- name: sled_placeable
+-- create_vmm's second look at the sled it placed on, under a lock that an expunge (FOR UPDATE) waits
+-- for and that waits for an expunge: is it still active, and does it still answer ($2 seconds)?
+SELECT state, boot_number, last_seen_at > now() - make_interval(secs => $2) AS answering
+FROM sleds WHERE id = $1 FOR KEY SHARE;
 
 -- name: unreserve
 UPDATE sleds SET reserved_vcpus = reserved_vcpus - $2, reserved_ram_bytes = reserved_ram_bytes - $3
 WHERE id = $1;
 
 -- name: vmm_insert
-INSERT INTO vmms (id, instance_id, sled_id, vcpus, ram_bytes, boot_id, state)
-VALUES ($1, $2, $3, $4, $5, $6, 'starting')
+-- $7: 'starting' for a start, 'migrating' for a migration target.
+INSERT INTO vmms (id, instance_id, sled_id, vcpus, ram_bytes, boot_id, boot_number, state)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 ON CONFLICT (id) DO NOTHING;
 
 -- name: vmm_end
@@ -154,27 +176,35 @@ ON CONFLICT (id) DO NOTHING;
 -- exactly once.
 UPDATE vmms SET state = $2, ended_at = now()
 WHERE id = $1 AND ended_at IS NULL
-RETURNING id, instance_id, sled_id, vcpus, ram_bytes;
+RETURNING id, instance_id, sled_id, vcpus, ram_bytes, boot_number;
 
 -- name: vmm_apply_report
--- The generation fence: only a strictly newer report about a live VMM is written.
+-- The generation fence: only a strictly newer report about a live VMM, from its own sled ($5), made on
+-- the boot it was placed on or a later one ($6), is written.
 UPDATE vmms SET state = $2, generation = $3,
                 ended_at = CASE WHEN $4::bool THEN now() ELSE NULL END
 WHERE id = $1 AND generation < $3 AND ended_at IS NULL
-RETURNING id, instance_id, sled_id, vcpus, ram_bytes;
+  AND sled_id = $5 AND (boot_number IS NULL OR boot_number <= $6)
+RETURNING id, instance_id, sled_id, vcpus, ram_bytes, boot_number;
 
 -- name: sled_lock
-SELECT state, boot_id FROM sleds WHERE id = $1 FOR UPDATE;
+SELECT state, boot_id, boot_number, inventory_seq FROM sleds WHERE id = $1 FOR UPDATE;
 
--- name: sled_upsert
--- A sled makes itself known, and tells its boot id, through its inventory.
-INSERT INTO sleds (id, boot_id, vcpus, ram_bytes, last_seen_at) VALUES ($1, $2, $3, $4, now())
+-- name: sled_apply_inventory
+-- A sled makes itself known, and tells its boot, through its inventory. The inventory fence: only a
+-- strictly newer (boot number, sequence) than the one held is written; returns nothing otherwise.
+INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vcpus, ram_bytes, last_seen_at)
+VALUES ($1, $2, $3, $4, $5, $6, now())
 ON CONFLICT (id) DO UPDATE
-SET boot_id = EXCLUDED.boot_id, vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, last_seen_at = now();
+SET boot_id = EXCLUDED.boot_id, boot_number = EXCLUDED.boot_number, inventory_seq = EXCLUDED.inventory_seq,
+    vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, last_seen_at = now()
+WHERE (coalesce(sleds.boot_number, 0), coalesce(sleds.inventory_seq, -1))
+      < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
+RETURNING boot_number;
 
 -- name: sled_list
 -- Every sled ($1 NULL), or one.
-SELECT s.id, s.state, s.boot_id, s.vcpus, s.ram_bytes, s.reserved_vcpus, s.reserved_ram_bytes,
+SELECT s.id, s.state, s.boot_id, s.boot_number, s.vcpus, s.ram_bytes, s.reserved_vcpus, s.reserved_ram_bytes,
        s.last_seen_at, (SELECT count(*) FROM vmms v WHERE v.sled_id = s.id AND v.ended_at IS NULL) AS vmms
 FROM sleds s WHERE $1::text IS NULL OR s.id = $1 ORDER BY s.id;
 
@@ -214,13 +244,16 @@ UPDATE instances SET generation = generation + 1, updated_at = now() WHERE id = 
 -- Whether `place` (same parameters) could succeed if no other placement were under way.
 SELECT EXISTS (
     SELECT 1 FROM sleds
-    WHERE state = 'active'
+    WHERE state = 'active' AND last_seen_at > now() - make_interval(secs => $5)
       AND ($3::text IS NULL OR id <> $3) AND ($4::text IS NULL OR id = $4)
       AND vcpus - reserved_vcpus >= $1 AND ram_bytes - reserved_ram_bytes >= $2
 );
 
 -- name: vmm_exists
 SELECT EXISTS (SELECT 1 FROM vmms WHERE id = $1);
+
+-- name: vmm_placed
+SELECT sled_id, boot_number FROM vmms WHERE id = $1;
 
 -- name: vmm_sled
 SELECT sled_id FROM vmms WHERE id = $1;
@@ -235,7 +268,7 @@ RETURNING generation;
 SELECT id, instance_id, sled_id FROM vmms WHERE id = $1 AND ended_at IS NULL;
 
 -- name: vmms_live_on_sled
-SELECT id FROM vmms WHERE sled_id = $1 AND ended_at IS NULL ORDER BY id;
+SELECT id, boot_number FROM vmms WHERE sled_id = $1 AND ended_at IS NULL ORDER BY id;
 
 -- name: sled_expunge
 -- Irreversible: an expunged sled never receives a placement again (place picks active sleds only).
@@ -258,10 +291,29 @@ SET state = 'running', active_vmm_id = $3, target_vmm_id = NULL, generation = ge
 WHERE id = $1 AND target_vmm_id = $2 AND state = 'migrating'
 RETURNING generation;
 
--- name: vmm_insert_target
-INSERT INTO vmms (id, instance_id, sled_id, vcpus, ram_bytes, boot_id, state)
-VALUES ($1, $2, $3, $4, $5, $6, 'migrating')
-ON CONFLICT (id) DO NOTHING;
+-- name: instance_vmms
+SELECT active_vmm_id, target_vmm_id FROM instances WHERE id = $1;
 
--- name: instance_target
-SELECT target_vmm_id FROM instances WHERE id = $1;
+-- name: vmm_lock
+-- An order about a VMM locks its record first, then its instance: the order every report takes too.
+SELECT id, instance_id, sled_id, boot_number, state, generation, ended_at, vcpus, ram_bytes,
+       ended_at < now() - make_interval(secs => $2) AS ended_long_ago
+FROM vmms WHERE id = $1 FOR UPDATE;
+
+-- name: sled_seen
+-- What instance-manager itself knows of a sled: its latest boot, and whether it answers ($2 seconds).
+SELECT state, boot_number, last_seen_at > now() - make_interval(secs => $2) AS answering
+FROM sleds WHERE id = $1;
+
+-- name: instance_overdue
+-- Whether the instance has been in its state longer than $2 seconds, by this service's clock.
+SELECT updated_at < now() - make_interval(secs => $2) FROM instances WHERE id = $1;
+
+-- name: vmm_claimants
+-- Every instance that names the VMM as active or as its migration target, locked.
+SELECT id FROM instances WHERE active_vmm_id = $1 OR target_vmm_id = $1 ORDER BY id FOR UPDATE;
+
+-- name: failure_record
+-- The evidence of a failure the control plane made (the checker holds it against the sleds' history).
+INSERT INTO failures (instance_id, vmm_id, sled_id, kind, reason, vmm_boot_number, proof_boot_number)
+VALUES ($1, $2, $3, $4, $5, $6, $7);

@@ -11,6 +11,9 @@ Guarantees:
 - A step that raises `StepFailed` makes the saga unwind: every completed step's undo runs, newest first.
   Undos are idempotent and retried until they succeed. Any other exception is transient: the step is
   retried with backoff.
+- A remote step's effect may be there already when it runs again (a crash came after its action and
+  before the commit of its progress, or an ack was lost): it must then succeed, and never unwind what
+  it did.
 - After a crash, `resume` picks up every unfinished saga. A saga runs in one process at a time: its
   runner holds a session advisory lock on a dedicated connection, released at once if the process dies.
 """
@@ -28,6 +31,7 @@ from typing import Any
 import asyncpg
 
 from shared import telemetry
+from shared.config import env_float
 from shared.crash import crash_point
 from shared.db import queries
 
@@ -134,7 +138,8 @@ class Executor:
                 self.launch(r["id"])
         return len(rows)
 
-    async def resume_forever(self, interval: float = 2.0) -> None:
+    async def resume_forever(self) -> None:
+        interval = env_float("RACKPLANE_SAGA_RESUME_INTERVAL", 2.0)
         while True:
             try:
                 await self.resume()
@@ -239,6 +244,7 @@ class Executor:
                 await self._advance(conn, row, step, {**data, **out}, "done" if done else "running", +1)
         else:
             out = await step.action(Context(row["id"], row["params"], data, self.app, None)) or {}
+            crash_point(f"saga:{saga.kind}/after:{step.name}")  # done, and not yet recorded as done
             async with self.pool.acquire() as conn, conn.transaction():
                 await self._advance(conn, row, step, {**data, **out}, "done" if done else "running", +1)
 
@@ -248,6 +254,7 @@ class Executor:
         ctx = Context(row["id"], row["params"], data, self.app, None, row["error"])
         if step.undo is not None and not step.undo_local:
             await step.undo(ctx)
+            crash_point(f"saga:{saga.kind}/after:undo:{step.name}")
         async with self.pool.acquire() as conn, conn.transaction():
             if step.undo is not None and step.undo_local:
                 ctx.conn = conn

@@ -2,13 +2,20 @@
 
     interlock       pass the "one start at a time" compare-and-set    undo: give the instance back
     charge          charge vCPUs and RAM through accounting (quota)   undo: release the charge
-    place           reserve room on an active sled                    undo: release the reservation
-    create_vmm      record the VMM on that sled                       undo: end the VMM record
-    ensure_on_sled  ask the sled agent to run the VMM                 undo: ask the sled to destroy it
+    place           reserve room on an active sled that answers       undo: release the reservation
+    create_vmm      look at the sled again; record the VMM on it      undo: end the VMM record, and
+                                                                            have the sled destroy it
+    ensure_on_sled  ask the sled agent to run the VMM                 (last step: nothing to undo)
 
-The instance becomes running when the sled reports its VMM running (see reports.py), not here: the
+The instance becomes running when the sled reports its VMM running (see lifecycle.py), not here: the
 saga's job ends once the sled has been asked. A failure at any step unwinds the earlier ones, so a
-refused or failed start leaves no charge, reservation or VMM.
+refused or failed start leaves no charge, reservation or VMM. A user's start that fails leaves the
+instance stopped, with the reason; an automatic restart that fails leaves it failed and still meant to
+run, and recovery tries again later, backing off.
+
+The remote steps are safe to repeat after a crash between their action and the commit of their progress:
+a charge's outcome is kept, and asked again only if missing; an ensure goes out again with the same
+message id, and a sled ignores an ensure for a VMM it has.
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from services.instance_manager import sleds
+import asyncpg
+
+from services.instance_manager import lifecycle, sleds
 from services.instance_manager.app import SOURCE, App, Q
+from services.instance_manager.orders import Stale
 from services.instance_manager.saga import Context, Saga, Step, StepFailed
 from shared import bus, subjects
-from shared.messages import MigrationSource, ProvisionDelta, VmmDestroy, VmmEnsure
+from shared.messages import MigrationSource, ProvisionDelta, VmmEnsure
 
 
 class AlreadyRunning(Exception):
@@ -35,8 +45,9 @@ async def interlock(ctx: Context) -> dict[str, Any]:
     if won is None:
         current = await ctx.tx.fetchrow(Q["instance_lock"], instance_id)
         state = current["state"] if current else "destroyed"
-        if expected is not None and current is not None and current["generation"] != expected:
-            raise bus.Conflict(f"instance changed since generation {expected}; not restarting it")
+        if expected is not None:  # an automatic restart is an order: what it saw no longer holds
+            now = f"{state} at generation {current['generation']}" if current else "destroyed"
+            raise Stale("restart", f"instance is {now}, not failed at generation {expected}")
         if state in ("starting", "running", "migrating"):
             raise AlreadyRunning(state)
         if state == "destroyed":
@@ -60,8 +71,13 @@ async def interlock(ctx: Context) -> dict[str, Any]:
 
 async def interlock_undo(ctx: Context) -> None:
     instance_id = uuid.UUID(ctx.params["instance_id"])
+    automatic = ctx.params.get("expected_generation") is not None
     released = await ctx.tx.fetchrow(
-        Q["start_interlock_release"], instance_id, uuid.UUID(ctx.data["vmm_id"]), f"start failed: {ctx.error}"
+        Q["start_interlock_release"],
+        instance_id,
+        uuid.UUID(ctx.data["vmm_id"]),
+        f"{'automatic restart' if automatic else 'start'} failed: {ctx.error}",
+        automatic,
     )
     if released is not None:
         await ctx.app.instance_changed(ctx.tx, instance_id)
@@ -92,9 +108,14 @@ async def charge_undo(ctx: Context) -> None:
         await ctx.app.release_charge(ctx.tx, instance_id, bumped["generation"])
 
 
+def placement(placed: asyncpg.Record) -> dict[str, Any]:
+    """What a saga keeps of a placement: the sled, and the boot of it the VMM is placed on."""
+    boot_id = str(placed["boot_id"]) if placed["boot_id"] else None
+    return {"sled_id": placed["id"], "boot_id": boot_id, "boot_number": placed["boot_number"]}
+
+
 async def place(ctx: Context) -> dict[str, Any]:
-    placed = await sleds.reserve(ctx.tx, ctx.data["vcpus"], ctx.data["ram_bytes"])
-    return {"sled_id": placed["id"], "boot_id": str(placed["boot_id"]) if placed["boot_id"] else None}
+    return placement(await sleds.reserve(ctx.tx, ctx.data["vcpus"], ctx.data["ram_bytes"]))
 
 
 async def place_undo(ctx: Context) -> None:
@@ -103,57 +124,64 @@ async def place_undo(ctx: Context) -> None:
         await ctx.tx.execute(Q["unreserve"], ctx.data["sled_id"], ctx.data["vcpus"], ctx.data["ram_bytes"])
 
 
-async def create_vmm(ctx: Context) -> None:
+async def record_vmm(ctx: Context, state: str) -> None:
+    """Write the VMM record on the sled placed on (which `sleds.still_placeable` has looked at again,
+    first: sled locks come before instance locks, as an expunge takes them)."""
     d = ctx.data
-    instance_id = uuid.UUID(ctx.params["instance_id"])
     await ctx.tx.execute(
         Q["vmm_insert"],
         uuid.UUID(d["vmm_id"]),
-        instance_id,
+        uuid.UUID(ctx.params["instance_id"]),
         d["sled_id"],
         d["vcpus"],
         d["ram_bytes"],
         uuid.UUID(d["boot_id"]) if d.get("boot_id") else None,
+        d.get("boot_number"),
+        state,
     )
+
+
+async def create_vmm(ctx: Context) -> None:
+    instance_id = uuid.UUID(ctx.params["instance_id"])
+    await sleds.still_placeable(ctx.tx, ctx.data["sled_id"])
+    await record_vmm(ctx, "starting")
     # Tell everyone where the instance is going (recovery watches that sled's boots from now on).
-    if await ctx.tx.fetchrow(Q["instance_bump_if_active"], instance_id, uuid.UUID(d["vmm_id"])) is not None:
+    vmm_id = uuid.UUID(ctx.data["vmm_id"])
+    if await ctx.tx.fetchrow(Q["instance_bump_if_active"], instance_id, vmm_id) is not None:
         await ctx.app.instance_changed(ctx.tx, instance_id)
 
 
 async def create_vmm_undo(ctx: Context) -> None:
-    ended = await ctx.tx.fetchrow(Q["vmm_end"], uuid.UUID(ctx.data["vmm_id"]), "destroyed")
-    if ended is not None:
-        await ctx.tx.execute(Q["unreserve"], ended["sled_id"], ended["vcpus"], ended["ram_bytes"])
+    await lifecycle.end_unclaimed_vmm(ctx.tx, uuid.UUID(ctx.data["vmm_id"]))
 
 
 async def ensure_on_sled(ctx: Context, migrate_from: MigrationSource | None = None) -> None:
+    """Ask the sled to run the VMM, holding its record's lock meanwhile: an order that ends the record (an
+    expunge, a lost VMM) waits, and its destroy follows this ensure on the sled's stream. A record that
+    has ended already (before this step, or since a first try that crashed) is asked for nothing."""
     d = ctx.data
+    vmm_id = uuid.UUID(d["vmm_id"])
     cmd = VmmEnsure(
-        vmm_id=uuid.UUID(d["vmm_id"]),
+        vmm_id=vmm_id,
         instance_id=uuid.UUID(ctx.params["instance_id"]),
         vcpus=d["vcpus"],
         ram_bytes=d["ram_bytes"],
-        boot_id=uuid.UUID(d["boot_id"]) if d.get("boot_id") else None,
+        boot_number=d.get("boot_number"),
         migrate_from=migrate_from,
     )
-    await bus.publish(
-        ctx.app.js,
-        subjects.sled_command(d["sled_id"], "vmm.ensure"),
-        cmd,
-        source=SOURCE,
-        key=f"ensure:{d['vmm_id']}",
-    )
-
-
-async def ensure_on_sled_undo(ctx: Context) -> None:
-    d = ctx.data
-    await bus.publish(
-        ctx.app.js,
-        subjects.sled_command(d["sled_id"], "vmm.destroy"),
-        VmmDestroy(vmm_id=uuid.UUID(d["vmm_id"])),
-        source=SOURCE,
-        key=f"destroy:{d['vmm_id']}",
-    )
+    async with ctx.app.pool.acquire() as conn, conn.transaction():
+        vmm = await conn.fetchrow(Q["vmm_lock"], vmm_id, 0)
+        if vmm is None or vmm["ended_at"] is not None:
+            if vmm is not None and vmm["generation"] > 0:
+                return  # its sled had it, and reported on it: what this step asked for was done
+            raise StepFailed(f"VMM {vmm_id} was ended before its sled was asked to run it")
+        await bus.publish(
+            ctx.app.js,
+            subjects.sled_command(d["sled_id"], "vmm.ensure"),
+            cmd,
+            source=SOURCE,
+            key=f"ensure:{d['vmm_id']}",
+        )
 
 
 START = Saga(
@@ -163,6 +191,6 @@ START = Saga(
         Step("charge", charge, charge_undo, local=False),
         Step("place", place, place_undo),
         Step("create_vmm", create_vmm, create_vmm_undo),
-        Step("ensure_on_sled", ensure_on_sled, ensure_on_sled_undo, local=False, undo_local=False),
+        Step("ensure_on_sled", ensure_on_sled, local=False),
     ],
 )

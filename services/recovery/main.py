@@ -11,7 +11,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from services.recovery.reconcile import SOURCE, Q, Reconciler
-from shared import bus, subjects
+from shared import bus, subjects, telemetry
 from shared.config import Settings
 from shared.messages import Envelope, InstanceChanged, SledChanged, SledInventory
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
@@ -31,21 +31,31 @@ async def main(settings: Settings) -> None:
             Q["instance_upsert"], i.id, i.silo, i.project, i.name, i.state.value, i.generation,
             i.auto_restart.value, i.intended_state, i.active_vmm_id, i.sled_id, i.vmm_boot_id,
             i.failed_at, i.last_auto_restart_at, i.updated_at, i.target_vmm_id, i.target_sled_id,
-            i.target_vmm_boot_id,
+            i.target_vmm_boot_id, i.vmm_boot_number, i.target_vmm_boot_number, i.next_restart_at,
         )  # fmt: skip
         if i.state == "failed":
             reconciler.wake.set()
 
     async def on_inventory(env: Envelope, inv: SledInventory, msg: Msg) -> None:
+        """Fenced by (boot number, sequence): an inventory from before a reboot, redelivered after it,
+        changes nothing. A reboot is known from a later boot number, and reconciled at once."""
         vmms = [v.model_dump(mode="json") for v in inv.vmms]
-        previous = await pool.fetchval(Q["sled_upsert"], inv.sled_id, inv.boot_id, vmms)
-        if previous is not None and previous != inv.boot_id:
-            log.info("sled %s came back with a new boot id: reconciling now", inv.sled_id)
+        async with pool.acquire() as conn, conn.transaction():
+            before = await conn.fetchval(Q["sled_boot"], inv.sled_id)
+            applied = await conn.fetchval(
+                Q["sled_apply_inventory"], inv.sled_id, inv.boot_id, inv.boot_number, inv.seq, vmms
+            )
+        if applied is None:
+            telemetry.count("inventories.stale")
+            return
+        telemetry.count("inventories.applied")
+        if before is not None and before < inv.boot_number:
+            log.info("sled %s came back on boot %d: reconciling now", inv.sled_id, inv.boot_number)
             reconciler.wake.set()
 
     async def on_sled(env: Envelope, e: SledChanged, msg: Msg) -> None:
-        if e.sled.boot_id is not None:
-            await pool.execute(Q["sled_state"], e.sled.id, e.sled.boot_id, e.sled.state)
+        if e.sled.boot_number is not None:
+            await pool.execute(Q["sled_state"], e.sled.id, e.sled.boot_id, e.sled.boot_number, e.sled.state)
 
     async def stats() -> dict[str, Any]:
         return {"failed": await pool.fetchval("SELECT count(*) FROM instances WHERE state = 'failed'")}

@@ -2,38 +2,51 @@
 -- Fenced by generation: an event older than what is held changes nothing.
 INSERT INTO instances (id, silo, project, name, state, generation, auto_restart, intended_state,
                        active_vmm_id, sled_id, vmm_boot_id, failed_at, last_auto_restart_at, changed_at,
-                       target_vmm_id, target_sled_id, target_vmm_boot_id)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
+                       target_vmm_id, target_sled_id, target_vmm_boot_id, vmm_boot_number,
+                       target_vmm_boot_number, next_restart_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)
 ON CONFLICT (id) DO UPDATE
 SET state = EXCLUDED.state, generation = EXCLUDED.generation, auto_restart = EXCLUDED.auto_restart,
     intended_state = EXCLUDED.intended_state, active_vmm_id = EXCLUDED.active_vmm_id,
     sled_id = EXCLUDED.sled_id, vmm_boot_id = EXCLUDED.vmm_boot_id, failed_at = EXCLUDED.failed_at,
     last_auto_restart_at = EXCLUDED.last_auto_restart_at, changed_at = EXCLUDED.changed_at,
     target_vmm_id = EXCLUDED.target_vmm_id, target_sled_id = EXCLUDED.target_sled_id,
-    target_vmm_boot_id = EXCLUDED.target_vmm_boot_id, updated_at = now()
+    target_vmm_boot_id = EXCLUDED.target_vmm_boot_id, vmm_boot_number = EXCLUDED.vmm_boot_number,
+    target_vmm_boot_number = EXCLUDED.target_vmm_boot_number, next_restart_at = EXCLUDED.next_restart_at,
+    updated_at = now()
 WHERE instances.generation < EXCLUDED.generation;
 
--- name: sled_upsert
--- Returns the boot id held before, so that a reboot is noticed the moment its inventory arrives.
-WITH before AS (SELECT boot_id FROM sleds WHERE id = $1)
-INSERT INTO sleds (id, boot_id, vmms) VALUES ($1, $2, $3)
-ON CONFLICT (id) DO UPDATE SET boot_id = EXCLUDED.boot_id, vmms = EXCLUDED.vmms, last_inventory_at = now()
-RETURNING (SELECT boot_id FROM before) AS previous_boot_id;
+-- name: sled_boot
+SELECT boot_number FROM sleds WHERE id = $1;
+
+-- name: sled_apply_inventory
+-- The inventory fence: only a strictly newer (boot number $3, sequence $4) is written; nothing is
+-- returned for an older one (a redelivery from before a reboot), which changes nothing.
+INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vmms) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (id) DO UPDATE
+SET boot_id = EXCLUDED.boot_id, boot_number = EXCLUDED.boot_number, inventory_seq = EXCLUDED.inventory_seq,
+    vmms = EXCLUDED.vmms, last_inventory_at = now()
+WHERE (sleds.boot_number, sleds.inventory_seq) < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
+RETURNING boot_number;
 
 -- name: sled_state
-INSERT INTO sleds (id, boot_id, state) VALUES ($1, $2, $3)
+-- A sled event (instance-manager's view) sets the sled's state; it never moves its boot backwards, and
+-- leaves its inventory alone.
+INSERT INTO sleds (id, boot_id, boot_number, state, last_inventory_at) VALUES ($1, $2, $3, $4, '-infinity')
 ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state;
 
 -- name: vmms_on_old_boots
--- Reconciler 1: VMMs placed on an earlier boot of their sled. A sled that came back with a new boot id
--- has lost every VMM it ran: no timeout is needed to know it. A migration target counts too.
-SELECT i.id, i.active_vmm_id AS vmm_id, i.sled_id
+-- Reconciler 1: VMMs placed on an earlier boot of their sled than the one its inventories now come from.
+-- A sled that came back on a later boot has lost every VMM it ran: no timeout is needed to know it. A
+-- migration target counts too. Each row is what the order names: the boots, and the generation seen.
+SELECT i.id, i.generation, i.active_vmm_id AS vmm_id, i.sled_id, i.vmm_boot_number AS vmm_boot,
+       s.boot_number AS sled_boot
 FROM instances i JOIN sleds s ON s.id = i.sled_id
-WHERE i.active_vmm_id IS NOT NULL AND i.vmm_boot_id IS NOT NULL AND i.vmm_boot_id <> s.boot_id
+WHERE i.active_vmm_id IS NOT NULL AND i.vmm_boot_number < s.boot_number
 UNION ALL
-SELECT i.id, i.target_vmm_id, i.target_sled_id
+SELECT i.id, i.generation, i.target_vmm_id, i.target_sled_id, i.target_vmm_boot_number, s.boot_number
 FROM instances i JOIN sleds s ON s.id = i.target_sled_id
-WHERE i.target_vmm_id IS NOT NULL AND i.target_vmm_boot_id IS NOT NULL AND i.target_vmm_boot_id <> s.boot_id
+WHERE i.target_vmm_id IS NOT NULL AND i.target_vmm_boot_number < s.boot_number
 ORDER BY 1;
 
 -- name: stuck
@@ -41,8 +54,8 @@ ORDER BY 1;
 -- answers (its inventory is fresher than $2 s). A sled that went quiet is left alone: its instances'
 -- health is unknown, not failed. A migration that takes too long is called off by losing its target
 -- (the instance runs on where it was).
-SELECT i.id, CASE WHEN i.state = 'migrating' THEN i.target_vmm_id ELSE i.active_vmm_id END AS vmm_id,
-       i.state
+SELECT i.id, i.generation, i.state,
+       CASE WHEN i.state = 'migrating' THEN i.target_vmm_id ELSE i.active_vmm_id END AS vmm_id
 FROM instances i JOIN sleds s ON s.id = i.sled_id
 WHERE ((i.state IN ('starting', 'stopping') AND i.active_vmm_id IS NOT NULL)
        OR (i.state = 'migrating' AND i.target_vmm_id IS NOT NULL))
@@ -69,6 +82,7 @@ DELETE FROM unexpected_vmms WHERE NOT (vmm_id = ANY($1::uuid[]));
 SELECT vmm_id, sled_id FROM unexpected_vmms WHERE first_seen_at < now() - make_interval(secs => $1);
 
 -- name: failed
--- Reconciler 2: every failed instance, with what decides its fate.
-SELECT id, generation, auto_restart, intended_state, failed_at, last_auto_restart_at
+-- Reconciler 2: every failed instance, with what decides its fate (next_restart_at is set, by
+-- instance-manager, for one that is to be restarted: when the cooldown and any backoff have passed).
+SELECT id, generation, auto_restart, intended_state, next_restart_at
 FROM instances WHERE state = 'failed' ORDER BY failed_at;

@@ -4,32 +4,38 @@ recovery's own tables, and asks for what would make them agree. Every request is
 point, repeated, or run by two replicas at once: the next pass converges.
 
 Reconciler 1, "what runs where":
-  - a VMM placed on an earlier boot of its sled is lost (the sled rebooted): its instance fails, at once;
+  - a VMM placed on an earlier boot of its sled than the sled's latest is lost (the sled rebooted): its
+    instance fails, at once;
   - an instance starting or stopping past the timeout, on a sled that still answers, is lost likewise;
     a migration past the timeout is called off (its target is lost; the instance runs on its source);
   - a VMM a sled runs but nobody expects, for longer than a grace period, is destroyed (a zombie).
 Reconciler 2, "bring them back":
   - a failed instance whose policy is best_effort and that is meant to run is started again, through the
-    ordinary start saga (so anywhere with room, quota checked again), once the cooldown since its last
-    automatic restart has passed; any other failed instance comes to rest as stopped.
+    ordinary start saga (so anywhere with room, quota checked again), once its next restart is due (the
+    cooldown, longer after restarts that found no room); any other failed instance comes to rest as
+    stopped.
+
+Recovery acts only through orders to instance-manager, and every order is a condition: it names what this
+picture showed (the instance's generation, the VMM, its boot, the boot that proves it lost), and
+instance-manager refuses it as `stale` when its own records say otherwise. A picture that lags (an event
+not yet handled, an inventory redelivered) can therefore delay a repair, never kill a healthy instance.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncpg
 from nats.aio.client import Client as NATS
 
 from shared import bus, db, subjects, telemetry
-from shared.config import env_float, restart_cooldown, sled_unknown_after, transition_timeout
-from shared.messages import InstanceRestart, InstanceSettle, Model, VmmDestroy, VmmLost
+from shared.config import env_float, sled_unknown_after, transition_timeout, zombie_grace
+from shared.messages import InstanceRestart, InstanceSettle, Model, VmmLost, VmmStuck, VmmZombie
 
 log = logging.getLogger(__name__)
 SOURCE = "recovery"
@@ -44,7 +50,7 @@ class Reconciler:
     nc: NATS
     dsn: str
     interval: float = field(default_factory=lambda: env_float("RACKPLANE_RECONCILE_INTERVAL", 10.0))
-    zombie_grace: float = field(default_factory=lambda: env_float("RACKPLANE_ZOMBIE_GRACE", 10.0))
+    zombie_grace: float = field(default_factory=zombie_grace)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: db.PassLock = field(init=False)
 
@@ -83,19 +89,35 @@ class Reconciler:
 
     async def lost_vmms(self) -> int:
         rows = await self.pool.fetch(Q["vmms_on_old_boots"])
-        lost = subjects.command(None, "vmm", "lost")
+        subject = subjects.command(None, "vmm", "lost")
         await self._ask_all(
-            (lost, VmmLost(vmm_id=r["vmm_id"], reason=f"sled {r['sled_id']} rebooted"), "vmm_lost")
+            (
+                subject,
+                VmmLost(
+                    instance_id=r["id"],
+                    generation=r["generation"],
+                    vmm_id=r["vmm_id"],
+                    sled_id=r["sled_id"],
+                    vmm_boot=r["vmm_boot"],
+                    sled_boot=r["sled_boot"],
+                ),
+                "vmm_lost",
+            )
             for r in rows
         )
         return len(rows)
 
     async def stuck_instances(self) -> int:
-        timeout = transition_timeout()
-        rows = await self.pool.fetch(Q["stuck"], timeout, sled_unknown_after())
-        lost = subjects.command(None, "vmm", "lost")
+        rows = await self.pool.fetch(Q["stuck"], transition_timeout(), sled_unknown_after())
+        subject = subjects.command(None, "vmm", "stuck")
         await self._ask_all(
-            (lost, VmmLost(vmm_id=r["vmm_id"], reason=f"{r['state']} for over {timeout:g}s"), "stuck")
+            (
+                subject,
+                VmmStuck(
+                    instance_id=r["id"], generation=r["generation"], vmm_id=r["vmm_id"], state=r["state"]
+                ),
+                "stuck",
+            )
             for r in rows
         )
         return len(rows)
@@ -107,31 +129,20 @@ class Reconciler:
             await conn.execute(Q["unexpected_forget"], ids)
             await conn.execute(Q["unexpected_note"], ids, [r["sled_id"] for r in unexpected])
         zombies = await self.pool.fetch(Q["zombies"], self.zombie_grace)
-        js = self.nc.jetstream()
-        bucket = int(time.time() // 30)  # a new message id every 30 s, so that a lost destroy is sent again
-        for z in zombies:
-            await bus.publish(
-                js,
-                subjects.sled_command(z["sled_id"], "vmm.destroy"),
-                VmmDestroy(vmm_id=z["vmm_id"]),
-                source=SOURCE,
-                key=f"zombie:{z['vmm_id']}:{bucket}",
-            )
-            telemetry.count("reconcile.zombies_destroyed")
+        subject = subjects.command(None, "vmm", "zombie")
+        await self._ask_all(
+            (subject, VmmZombie(vmm_id=z["vmm_id"], sled_id=z["sled_id"]), "zombie") for z in zombies
+        )
         return len(zombies)
 
     # --- reconciler 2 ---
 
     async def bring_back(self) -> dict[str, int]:
         now = datetime.now(UTC)
-        cooldown = timedelta(seconds=restart_cooldown())
         restart, settle, waiting = [], [], 0
         for r in await self.pool.fetch(Q["failed"]):
             if r["auto_restart"] == "best_effort" and r["intended_state"] == "running":
-                due = r["failed_at"] or now
-                if r["last_auto_restart_at"] is not None:
-                    due = max(due, r["last_auto_restart_at"] + cooldown)
-                if due <= now:
+                if (r["next_restart_at"] or now) <= now:
                     restart.append(r)
                 else:
                     waiting += 1
@@ -162,8 +173,8 @@ class Reconciler:
             await bus.request(self.nc, subject, body, source=SOURCE, timeout=10)
             telemetry.count(f"reconcile.{what}")
         except bus.CommandError as e:
-            # a conflict means our picture was behind (the user acted, or another pass did): the next
-            # pass, with fresher events, decides again
+            # `stale` means our picture was behind (the user acted, another pass did, an event is yet to
+            # come): the next pass, with fresher events, decides again
             telemetry.count(f"reconcile.{what}_{e.code}")
             log.info("%s %s: %s", what, body, e.message)
 

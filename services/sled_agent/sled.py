@@ -10,12 +10,16 @@ and the source, told to migrate, hands over to it directly (the simulator's sled
 its instance went. A target that waits too long fails; a source whose target is gone, or never shows up,
 runs on.
 
-A sled keeps its state (boot id, VMMs) in a small file, so that a restart of the simulator process is not
-a reboot of its sleds: same boot id, same VMMs. Changes are written in batches (one write covers every
-change of the last few milliseconds, as a database's group commit does), and a report leaves only once
-the state it reports is on disk: a sled never reports what a restart would make it forget. A reboot is
-something else: a new boot id, and every VMM gone, without a word about them (a real sled does not report
-what it lost).
+A sled keeps its state (boot number and id, VMMs) in a small file, so that a restart of the simulator
+process is not a reboot of its sleds: same boot, same VMMs. The boot number only grows, by one at each
+reboot, and every report and inventory carries it with a sequence number within the boot, so that a
+receiver can tell an old message (a redelivery from before a reboot) from a new one; the boot id alone
+could only say "different". The sled also keeps its boot history, the hardware's own record of when each
+boot began, which the invariant checker holds the control plane's failures against. Changes are written
+in batches (one write covers every change of the last few milliseconds, as a database's group commit
+does), and a report leaves only once the state it reports is on disk: a sled never reports what a restart
+would make it forget. A reboot is something else: a new boot, and every VMM gone, without a word about
+them (a real sled does not report what it lost).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import random
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,10 @@ REMEMBERED_ENDED = 20_000
 """How many ended VMM ids a sled remembers, so that a late ensure for one is ignored."""
 SAVE_BATCH = 0.02
 """Seconds a state change waits for others to share its write."""
+SEQ_BLOCK = 10_000
+"""Sequence numbers are reserved on disk a block at a time, so that a restarted simulator never reuses one
+within a boot without writing its state for every message."""
+REMEMBERED_BOOTS = 100
 
 
 @dataclass
@@ -86,6 +95,12 @@ class Sled:
     timing: Timing = field(default_factory=Timing)
     state_dir: Path | None = None
     boot_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    boot_number: int = 1
+    boots: list[dict[str, Any]] = field(default_factory=list)
+    """The boot history: {number, boot_id, started_at} for each boot, oldest first (the last REMEMBERED)."""
+    seq: int = 0
+    """The last sequence number used in this boot; numbers up to `seq_reserved` may be used unwritten."""
+    seq_reserved: int = 0
     vmms: dict[uuid.UUID, SimVmm] = field(default_factory=dict)
     ended: dict[uuid.UUID, None] = field(default_factory=dict)
     faults: SimFaults | None = None
@@ -105,6 +120,22 @@ class Sled:
     def __post_init__(self) -> None:
         self._thawed.set()
         self._connected.set()
+        if not self.boots:
+            self._record_boot()
+
+    def _record_boot(self) -> None:
+        started = datetime.now(UTC).isoformat()
+        self.boots.append({"number": self.boot_number, "boot_id": str(self.boot_id), "started_at": started})
+        del self.boots[:-REMEMBERED_BOOTS]
+
+    def next_seq(self) -> int:
+        """The next sequence number of this boot (a block is reserved on disk before its first use)."""
+        self.seq += 1
+        if self.seq > self.seq_reserved:
+            self.seq_reserved = self.seq + SEQ_BLOCK
+            if self.state_dir is not None:
+                self._write()
+        return self.seq
 
     @property
     def reachable(self) -> bool:
@@ -119,7 +150,7 @@ class Sled:
         if self._drops_commands():
             return
         vmm = SimVmm(cmd.vmm_id, cmd.instance_id, cmd.vcpus, cmd.ram_bytes)
-        if cmd.boot_id is not None and cmd.boot_id != self.boot_id:
+        if cmd.boot_number is not None and cmd.boot_number != self.boot_number:
             # Placed before this sled rebooted: that VMM can never start here.
             telemetry.count("sled.ensure_for_old_boot")
             self.vmms[vmm.vmm_id] = vmm
@@ -228,12 +259,17 @@ class Sled:
         """Every VMM is lost; the sled comes back with a new boot id and nothing running."""
         lost = len(self.vmms)
         self.boot_id = uuid.uuid4()
+        self.boot_number += 1
+        self.seq = self.seq_reserved = 0
+        self._record_boot()
         for vmm_id in list(self.vmms):
             self._forget(vmm_id)
         self.vmms.clear()
         self._save(now=True)  # announced at once (its inventory): it must survive a simulator restart
         telemetry.count("sled.reboots")
-        log.info("%s rebooted (boot id %s): %d VMMs lost", self.sled_id, self.boot_id, lost)
+        log.info(
+            "%s rebooted (boot %d, id %s): %d VMMs lost", self.sled_id, self.boot_number, self.boot_id, lost
+        )
 
     def freeze(self) -> None:
         """Stop answering: no inventory, no reports, no commands taken, until thawed."""
@@ -266,6 +302,8 @@ class Sled:
         report = VmmReport(
             sled_id=self.sled_id,
             boot_id=self.boot_id,
+            boot_number=self.boot_number,
+            seq=self.next_seq(),
             vmm_id=vmm.vmm_id,
             instance_id=vmm.instance_id,
             state=vmm.state,
@@ -329,6 +367,8 @@ class Sled:
         return SledInventory(
             sled_id=self.sled_id,
             boot_id=self.boot_id,
+            boot_number=self.boot_number,
+            seq=self.next_seq(),
             vcpus=self.vcpus,
             ram_bytes=self.ram_bytes,
             vmms=[
@@ -380,6 +420,9 @@ class Sled:
             "vcpus": self.vcpus,
             "ram_bytes": self.ram_bytes,
             "boot_id": str(self.boot_id),
+            "boot_number": self.boot_number,
+            "seq_reserved": self.seq_reserved,
+            "boots": self.boots,
             "vmms": [
                 {
                     "vmm_id": str(v.vmm_id),
@@ -406,6 +449,9 @@ class Sled:
         state = json.loads(path.read_text())
         sled = cls(state["sled_id"], state["vcpus"], state["ram_bytes"], js, timing, path.parent)
         sled.boot_id = uuid.UUID(state["boot_id"])
+        sled.boot_number = state.get("boot_number", 1)
+        sled.seq = sled.seq_reserved = state.get("seq_reserved", 0)  # never reuse one handed out before
+        sled.boots = state.get("boots") or sled.boots
         for v in state["vmms"]:
             vmm = SimVmm(
                 uuid.UUID(v["vmm_id"]),
@@ -437,6 +483,8 @@ class Sled:
         return {
             "sled_id": self.sled_id,
             "boot_id": str(self.boot_id),
+            "boot_number": self.boot_number,
+            "boots": self.boots,
             "vcpus": self.vcpus,
             "ram_bytes": self.ram_bytes,
             "frozen": self.frozen,

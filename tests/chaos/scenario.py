@@ -294,7 +294,7 @@ class Scenario:
         deadline = time.monotonic() + settle_for
         while True:
             async with self.db.acquire() as conn:
-                violations = await check(conn, at_rest=True, js=self.client.nc.jetstream())
+                violations = await check(conn, at_rest=True, js=self.client.nc.jetstream(), nc=self.client.nc)
             if not violations or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1)

@@ -1,0 +1,137 @@
+"""Recovery's orders, applied as conditions.
+
+Recovery decides from its own picture of the rack, built from events and inventories, and that picture
+lags: an event not yet handled, an inventory redelivered from before a reboot. So an order names what
+recovery saw (the instance's generation, the VMM, the boot it was placed on, the boot that proves it
+lost), and each function here checks all of it under this service's own row locks, against this
+service's own records and clock, before it changes anything. When something no longer holds, it answers
+`stale` (counted under `orders.stale.<order>`, and logged) and changes nothing; recovery's next pass, on
+a fresher picture, decides again.
+
+Locks are taken VMM record first, then instance, the order a sled's report takes too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import asyncpg
+
+from services.instance_manager.app import SOURCE, App, Q
+from services.instance_manager.lifecycle import Evidence, fail_vmm
+from shared import bus, subjects, telemetry
+from shared.config import sled_unknown_after, transition_timeout, zombie_grace
+from shared.db import enqueue
+from shared.faults import FAULTS
+from shared.messages import VmmDestroy, VmmLost, VmmStuck, VmmZombie
+
+log = logging.getLogger(__name__)
+
+
+class Stale(bus.CommandError):
+    """What the order was decided on no longer holds."""
+
+    def __init__(self, order: str, message: str) -> None:
+        super().__init__("stale", message)
+        telemetry.count(f"orders.stale.{order}")
+        log.info("order %s refused as stale: %s", order, message)
+
+
+def _fenced() -> bool:
+    """False only under the fault that switches the fence off (to prove the checker sees what follows)."""
+    return not (FAULTS.settings.skip_order_fence or False)
+
+
+async def _claimed(
+    conn: asyncpg.Connection, order: str, vmm_id: uuid.UUID, instance_id: uuid.UUID, generation: int
+) -> tuple[asyncpg.Record, asyncpg.Record]:
+    """The live VMM record and its instance, locked, if the instance is still at `generation`."""
+    vmm = await conn.fetchrow(Q["vmm_lock"], vmm_id, 0)
+    if vmm is None or vmm["ended_at"] is not None:
+        raise Stale(order, f"VMM {vmm_id} has {'no record' if vmm is None else 'ended already'}")
+    inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
+    if _fenced():
+        if inst["id"] != instance_id:
+            raise Stale(order, f"VMM {vmm_id} belongs to instance {inst['id']}, not {instance_id}")
+        if inst["generation"] != generation:
+            raise Stale(
+                order, f"instance {instance_id} is at generation {inst['generation']}, not {generation}"
+            )
+        if vmm_id not in (inst["active_vmm_id"], inst["target_vmm_id"]):
+            raise Stale(order, f"instance {instance_id} no longer runs on VMM {vmm_id}")
+    return vmm, inst
+
+
+async def lost(app: App, conn: asyncpg.Connection, order: VmmLost) -> str:
+    """A VMM whose sled has come back on a later boot than the one it was placed on is gone."""
+    vmm, _ = await _claimed(conn, "lost", order.vmm_id, order.instance_id, order.generation)
+    if _fenced():
+        if vmm["sled_id"] != order.sled_id:
+            raise Stale("lost", f"VMM {order.vmm_id} is on {vmm['sled_id']}, not {order.sled_id}")
+        if vmm["boot_number"] != order.vmm_boot:
+            raise Stale(
+                "lost", f"VMM {order.vmm_id} was placed on boot {vmm['boot_number']}, not {order.vmm_boot}"
+            )
+        sled = await conn.fetchrow(Q["sled_seen"], order.sled_id, sled_unknown_after())
+        if sled is None or (sled["boot_number"] or 0) < order.sled_boot:
+            held = sled["boot_number"] if sled else None
+            raise Stale("lost", f"sled {order.sled_id} is on boot {held} here, not yet {order.sled_boot}")
+    reason = f"sled {order.sled_id} rebooted (boot {order.vmm_boot} ended; boot {order.sled_boot} began)"
+    evidence = Evidence("rebooted", vmm["boot_number"], order.sled_boot)
+    return await fail_vmm(app, conn, order.vmm_id, reason, evidence)
+
+
+async def stuck(app: App, conn: asyncpg.Connection, order: VmmStuck) -> str:
+    """An instance that has been starting, stopping or migrating past the timeout, on a sled that answers,
+    loses that VMM (a migration is called off; the instance runs on where it was)."""
+    vmm, inst = await _claimed(conn, "stuck", order.vmm_id, order.instance_id, order.generation)
+    timeout = transition_timeout()
+    if _fenced():
+        if inst["state"] != order.state:
+            raise Stale("stuck", f"instance {order.instance_id} is {inst['state']}, not {order.state}")
+        wanted = inst["target_vmm_id"] if order.state == "migrating" else inst["active_vmm_id"]
+        if wanted != order.vmm_id:
+            raise Stale("stuck", f"VMM {order.vmm_id} is not the one instance {order.instance_id} waits on")
+        if not await conn.fetchval(Q["instance_overdue"], order.instance_id, timeout):
+            raise Stale(
+                "stuck", f"instance {order.instance_id} has been {order.state} for under {timeout:g}s"
+            )
+        sled = await conn.fetchrow(Q["sled_seen"], vmm["sled_id"], sled_unknown_after())
+        if sled is None or not sled["answering"]:
+            raise Stale(
+                "stuck", f"sled {vmm['sled_id']} does not answer: its instances are unknown, not failed"
+            )
+    reason = f"{order.state} for over {timeout:g}s"
+    return await fail_vmm(app, conn, order.vmm_id, reason, Evidence("stuck", vmm["boot_number"], None))
+
+
+async def zombie(app: App, conn: asyncpg.Connection, order: VmmZombie) -> str:
+    """A VMM a sled runs that nobody claims: destroyed, if no instance names it as active or target right
+    now and its record (if it has one) ended longer than the grace period ago, by this service's clock."""
+    grace = zombie_grace()
+    vmm = await conn.fetchrow(Q["vmm_lock"], order.vmm_id, grace)
+    claimants = await conn.fetch(Q["vmm_claimants"], order.vmm_id)
+    if _fenced():
+        if claimants:
+            raise Stale("zombie", f"VMM {order.vmm_id} is claimed by instance {claimants[0]['id']}")
+        if vmm is not None:
+            if vmm["sled_id"] != order.sled_id:
+                raise Stale(
+                    "zombie", f"VMM {order.vmm_id} is placed on {vmm['sled_id']}, not {order.sled_id}"
+                )
+            if vmm["ended_at"] is None:
+                raise Stale("zombie", f"VMM {order.vmm_id} has a live record")
+            if not vmm["ended_long_ago"]:
+                raise Stale("zombie", f"VMM {order.vmm_id} ended less than {grace:g}s ago")
+    bucket = int(time.time() // 30)  # a new message id every 30 s, so that a lost destroy is sent again
+    await enqueue(
+        conn,
+        subjects.sled_command(order.sled_id, "vmm.destroy"),
+        VmmDestroy(vmm_id=order.vmm_id),
+        source=SOURCE,
+        key=f"zombie:{order.vmm_id}:{bucket}",
+    )
+    telemetry.count("zombies.destroyed")
+    return "destroyed"
