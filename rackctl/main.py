@@ -755,13 +755,18 @@ async def sled_expunge(ctx: Ctx) -> None:
 # --- the simulator (testing only) ------------------------------------------------------------------------
 
 
-@command("sim sled list", "list simulated sleds: boot id, VMMs, frozen or partitioned, faults", json_flag)
+@command(
+    "sim sled list",
+    "list simulated sleds: boot number and id, VMMs, frozen or partitioned, faults",
+    json_flag,
+)
 async def sim_sled_list(ctx: Ctx) -> None:
     def human(sleds: list[dict[str, Any]]) -> None:
         rows = [
             (
                 s["sled_id"],
                 _sim_state(s),
+                s.get("boot_number"),
                 s.get("boot_id"),
                 s["vcpus"],
                 format_size(s["ram_bytes"]),
@@ -770,7 +775,7 @@ async def sim_sled_list(ctx: Ctx) -> None:
             )
             for s in sleds
         ]
-        print_table(("SLED", "STATE", "BOOT ID", "VCPUS", "RAM", "VMMS", "FAULTS"), rows)
+        print_table(("SLED", "STATE", "BOOT", "BOOT ID", "VCPUS", "RAM", "VMMS", "FAULTS"), rows)
 
     ctx.emit(await (await ctx.client()).sim_sled("list"), human)
 
@@ -800,8 +805,8 @@ async def sim_sled_add(ctx: Ctx) -> None:
 
 SIM_VERBS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "reboot": (
-        "reboot a simulated sled: its VMMs are lost and it comes back with a new boot id",
-        lambda d: f"rebooted {d['sled_id']}: new boot id {d['boot_id']}",
+        "reboot a simulated sled: its VMMs are lost and it comes back on its next boot",
+        lambda d: f"rebooted {d['sled_id']}: boot {d['boot_number']} (boot id {d['boot_id']})",
     ),
     "freeze": (
         "freeze a simulated sled: no inventory, reports or commands until thawed",

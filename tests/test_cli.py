@@ -475,8 +475,8 @@ async def test_sim_sled_list(stack: Stack) -> None:
     r = await rackctl(stack, "sim", "sled", "list")
     assert_ok(r)
     lines = r.out.splitlines()
-    assert lines[0].split() == ["SLED", "STATE", "BOOT", "ID", "VCPUS", "RAM", "VMMS", "FAULTS"]
-    assert lines[1].split()[:3] == ["sled-0", "up", boots["sled-0"]]
+    assert lines[0].split() == ["SLED", "STATE", "BOOT", "BOOT", "ID", "VCPUS", "RAM", "VMMS", "FAULTS"]
+    assert lines[1].split()[:4] == ["sled-0", "up", "1", boots["sled-0"]]
 
 
 async def test_sim_faults_set_and_clear(stack: Stack, client: Client) -> None:
@@ -570,14 +570,14 @@ async def test_reboot_expunge_and_failures_on_a_private_rack(small_rack: tuple[S
     for sled in ("sled-0", "sled-1"):
         assert_ok(await rackctl(stack, "sim", "faults", sled))
 
-    # A sled reboot: a new boot id for it alone; its instance fails and comes back by policy.
+    # A sled reboot: its next boot (number and id) for it alone; its instance fails and comes back by policy.
     await client.instance_create(silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
     assert_ok(await rackctl(stack, "instance", "start", f"{silo}/{proj}/vm", "--wait", "--timeout", "20"))
     before = _boots(await rackctl(stack, "sim", "sled", "list", "--json"))
     r = await rackctl(stack, "sim", "sled", "reboot", "sled-0")
     assert_ok(r)
     after = _boots(await rackctl(stack, "sim", "sled", "list", "--json"))
-    assert r.out == f"rebooted sled-0: new boot id {after['sled-0']}\n"
+    assert r.out == f"rebooted sled-0: boot 2 (boot id {after['sled-0']})\n"
     assert after["sled-0"] != before["sled-0"] and after["sled-1"] == before["sled-1"]
 
     # Expunge: the sled is listed as expunged, and nothing runs there any more.

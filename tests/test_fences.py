@@ -371,3 +371,26 @@ async def test_the_checker_reports_a_wrongful_kill_and_nothing_after_a_real_rebo
 async def _moved_off(client: Client, silo: str, proj: str, name: str, sled_id: str) -> Any:
     v = await client.instance("show", silo, proj, name)
     return v if v["state"] == "running" and v["sled_id"] != sled_id else None
+
+
+async def test_a_stop_on_a_silent_sled_is_recorded_and_settled_when_the_sled_is_expunged(
+    rack: MakeRack,
+) -> None:
+    _, client, db = await rack(RACKPLANE_SLEDS="2", RACKPLANE_SLED_UNKNOWN_AFTER="2")
+    silo, proj = await new_project(client)
+    v = (await running(client, silo, proj, ["vm"]))["vm"]
+    await client.sim_sled("freeze", v["sled_id"])
+    await eventually(lambda: _health(client, silo, proj, "vm", "unknown"), timeout=10)
+    stopping = await client.instance("stop", silo, proj, "vm")
+    assert (stopping["state"], stopping["intended_state"]) == ("stopping", "stopped")
+    await asyncio.sleep(2)  # past the transition timeout's checks: a silent sled's instance is not failed
+    assert (await client.instance("show", silo, proj, "vm"))["state"] == "stopping"
+    await client.sled_expunge(v["sled_id"])
+    stopped = await wait_state(client, silo, proj, "vm", "stopped")
+    assert stopped["active_vmm_id"] is None
+    await client.sim_sled("thaw", v["sled_id"])
+    await assert_invariants(db)
+
+
+async def _health(client: Client, silo: str, proj: str, name: str, health: str) -> bool:
+    return (await client.instance("show", silo, proj, name))["health"] == health

@@ -157,7 +157,7 @@ async def test_a_move_with_no_room_anywhere_unwinds_and_leaves_nothing_reserved(
     assert "no other active sled that answers has room for 6 vCPUs and 1 GiB of RAM" in e.value.message
     with pytest.raises(CommandError) as e:
         await client.instance_migrate(silo, proj, name, to_sled=other["sled_id"])
-    assert f"sled {other['sled_id']} is not active or has no room" in e.value.message
+    assert f"sled {other['sled_id']} is not active, does not answer, or has no room" in e.value.message
     stayed = await client.instance("show", silo, proj, name)
     assert stayed["state"] == "running" and stayed["active_vmm_id"] == v["active_vmm_id"]
     assert stayed["last_error"].startswith("migration failed: ")
