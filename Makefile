@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install run test lint chaos bench clean
+.PHONY: install run test lint chaos fuzz bench clean
 
 $(BIN)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: install
 ## (make chaos SEED=42 DURATION=600; a failing run prints its seed and the log that replays it)
 chaos: install
 	SEED=$(SEED) DURATION=$(DURATION) $(BIN)/pytest -n 0 -m chaos -s -p no:cacheprovider -o timeout=0 tests/chaos
+
+## fuzz: the fuzz suite at full size: 10,000 hostile messages (make fuzz FUZZ_MESSAGES=... FUZZ_SEED=...);
+## `make test` runs it with a few hundred
+fuzz: install
+	FUZZ_MESSAGES=$(or $(FUZZ_MESSAGES),10000) FUZZ_SEED=$(FUZZ_SEED) $(BIN)/pytest -n 0 -s -p no:cacheprovider -o timeout=0 tests/fuzz
 
 ## bench: benchmarks; they print ratios against a baseline measured in the same run
 bench: install
