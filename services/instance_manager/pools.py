@@ -250,7 +250,8 @@ class Keeper:
     async def _start(self, instance_id: uuid.UUID) -> None:
         try:
             async with self.app.pool.acquire() as conn, conn.transaction():
-                saga_id = await self.app.sagas.begin(conn, START, {"instance_id": str(instance_id)})
+                params = {"instance_id": str(instance_id), "by": "pool"}
+                saga_id = await self.app.sagas.begin(conn, START, params)
         except (AlreadyRunning, bus.CommandError):
             return
         self.app.relay.kick()

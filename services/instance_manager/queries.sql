@@ -114,14 +114,15 @@ WHERE id = $1 AND state IN ('stopped', 'failed') AND active_vmm_id IS NULL
 RETURNING generation, project_id, vcpus, ram_bytes, disk_bytes;
 
 -- name: start_interlock_release
--- Undo of the interlock: only if the instance is still ours (our VMM is still the active one). A user's
--- start that failed leaves the instance stopped and meant to stay so, with the reason; an automatic
--- restart ($4) that failed leaves it failed and still meant to run, and counts the failure, so that the
--- next try backs off (see instance_view's next_restart_at).
+-- Undo of the interlock: only if the instance is still ours (our VMM is still the active one). Who asked
+-- ($4) decides what is left: a user's start that failed leaves the instance stopped and meant to stay so,
+-- with the reason; an automatic restart that failed leaves it failed and still meant to run, and counts
+-- the failure, so that the next try backs off (see instance_view's next_restart_at); a pool keeper's
+-- start leaves its VM stopped and still meant to run, for the keeper to try again.
 UPDATE instances
-SET state = CASE WHEN $4 THEN 'failed' ELSE 'stopped' END,
-    intended_state = CASE WHEN $4 THEN intended_state ELSE 'stopped' END,
-    restart_failures = restart_failures + CASE WHEN $4 THEN 1 ELSE 0 END,
+SET state = CASE WHEN $4 = 'restart' THEN 'failed' ELSE 'stopped' END,
+    intended_state = CASE WHEN $4 = 'user' THEN 'stopped' ELSE intended_state END,
+    restart_failures = restart_failures + CASE WHEN $4 = 'restart' THEN 1 ELSE 0 END,
     active_vmm_id = NULL, last_error = $3, generation = generation + 1, updated_at = now()
 WHERE id = $1 AND active_vmm_id = $2
 RETURNING generation;

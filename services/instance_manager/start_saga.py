@@ -11,7 +11,8 @@ The instance becomes running when the sled reports its VMM running (see lifecycl
 saga's job ends once the sled has been asked. A failure at any step unwinds the earlier ones, so a
 refused or failed start leaves no charge, reservation or VMM. A user's start that fails leaves the
 instance stopped, with the reason; an automatic restart that fails leaves it failed and still meant to
-run, and recovery tries again later, backing off.
+run, and recovery tries again later, backing off; a pool keeper's leaves its VM stopped and meant to run,
+for the keeper's next pass.
 
 The remote steps are safe to repeat after a crash between their action and the commit of their progress:
 a charge's outcome is kept, and asked again only if missing; an ensure goes out again with the same
@@ -69,15 +70,23 @@ async def interlock(ctx: Context) -> dict[str, Any]:
     }
 
 
+def asked_by(params: dict[str, Any]) -> str:
+    """Who asked for the start: recovery (`restart`, naming the generation it saw), a pool's keeper
+    (`pool`), or a user."""
+    if params.get("expected_generation") is not None:
+        return "restart"
+    return "pool" if params.get("by") == "pool" else "user"
+
+
 async def interlock_undo(ctx: Context) -> None:
     instance_id = uuid.UUID(ctx.params["instance_id"])
-    automatic = ctx.params.get("expected_generation") is not None
+    by = asked_by(ctx.params)
     released = await ctx.tx.fetchrow(
         Q["start_interlock_release"],
         instance_id,
         uuid.UUID(ctx.data["vmm_id"]),
-        f"{'automatic restart' if automatic else 'start'} failed: {ctx.error}",
-        automatic,
+        f"{'automatic restart' if by == 'restart' else 'start'} failed: {ctx.error}",
+        by,
     )
     if released is not None:
         await ctx.app.instance_changed(ctx.tx, instance_id)
