@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -20,6 +21,7 @@ from shared.messages import (
     InstanceStart,
     InstanceStop,
     Model,
+    Paged,
     PoolCreate,
     PoolDelete,
     PoolList,
@@ -68,6 +70,19 @@ class Client:
     async def call(self, subject: str, body: Model) -> Any:
         return await bus.request(self.nc, subject, body, source=SOURCE, timeout=self.timeout)
 
+    async def pages(self, body: Paged) -> AsyncIterator[list[Any]]:
+        """A list command's items, a page at a time (each page one request, in the list's order)."""
+        while True:
+            page = await self.send(body)
+            yield page["items"]
+            if page["next"] is None:
+                return
+            body = body.model_copy(update={"after": page["next"]})
+
+    async def every(self, body: Paged) -> list[Any]:
+        """All of a list command's items, through every page."""
+        return [item async for page in self.pages(body) for item in page]
+
     async def send(self, body: Model) -> Any:
         """Send an operator command on the subject its schema and silo name (`rp.cmd.<silo>.<schema's
         resource>.<verb>`), for callers that built and validated the body themselves."""
@@ -82,7 +97,7 @@ class Client:
         )
 
     async def silo_list(self) -> Any:
-        return await self.call(subjects.command(None, "silo", "list"), SiloList())
+        return await self.every(SiloList())
 
     async def project_create(self, silo: str, name: str) -> Any:
         return await self.call(
@@ -90,7 +105,7 @@ class Client:
         )
 
     async def project_list(self, silo: str) -> Any:
-        return await self.call(subjects.command(silo, "project", "list"), ProjectList(silo=silo))
+        return await self.every(ProjectList(silo=silo))
 
     # --- instances ---
 
@@ -159,7 +174,7 @@ class Client:
         )
 
     async def pool_list(self, silo: str | None = None, project: str | None = None) -> Any:
-        return await self.call(subjects.command(silo, "pool", "list"), PoolList(silo=silo, project=project))
+        return await self.every(PoolList(silo=silo, project=project))
 
     async def instance(self, verb: str, silo: str, project: str, name: str) -> Any:
         """start, stop, delete or show one instance."""
@@ -179,14 +194,12 @@ class Client:
         return await self.send(InstanceMigrate(silo=silo, project=project, name=name, to_sled=to_sled))
 
     async def instance_list(self, silo: str | None = None, project: str | None = None) -> Any:
-        return await self.call(
-            subjects.command(silo, "instance", "list"), InstanceList(silo=silo, project=project)
-        )
+        return await self.every(InstanceList(silo=silo, project=project))
 
     # --- fleet ---
 
     async def sled_list(self) -> Any:
-        return await self.call(subjects.command(None, "sled", "list"), SledList())
+        return await self.every(SledList())
 
     async def usage(self, silo: str | None = None, project: str | None = None) -> Any:
         return await self.call(subjects.command(silo, "usage", "get"), UsageGet(silo=silo, project=project))

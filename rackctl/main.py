@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from rackctl import check as checker
 from rackctl.client import Client
-from rackctl.output import Progress, print_fields, print_json, print_table
+from rackctl.output import Progress, TableStream, print_fields, print_json, print_table
 from rackctl.sizes import format_size, parse_size
 from shared import bus, subjects, telemetry
 from shared.config import DEFAULT_DATABASE_URL, DEFAULT_NATS_URL
@@ -40,7 +40,9 @@ from shared.messages import (
     NAME_PATTERN,
     AutoRestart,
     InstanceCreate,
+    InstanceList,
     Model,
+    Paged,
     PoolCreate,
     PoolResize,
     Quota,
@@ -448,22 +450,33 @@ async def instance_show(ctx: Ctx) -> None:
 async def instance_list(ctx: Ctx) -> None:
     silo, project = _scope(ctx.args)
 
-    def human(instances: list[dict[str, Any]]) -> None:
-        rows = [
-            (
-                _ref(v),
-                v["state"],
-                v.get("health"),
-                v["vcpus"],
-                format_size(v["ram_bytes"]),
-                format_size(v["disk_bytes"]),
-                v["sled_id"],
-            )
-            for v in instances
-        ]
-        print_table(("INSTANCE", "STATE", "HEALTH", "VCPUS", "RAM", "DISK", "SLED"), rows)
+    def row(v: dict[str, Any]) -> tuple[Any, ...]:
+        return (
+            _ref(v),
+            v["state"],
+            v.get("health"),
+            v["vcpus"],
+            format_size(v["ram_bytes"]),
+            format_size(v["disk_bytes"]),
+            v["sled_id"],
+        )
 
-    ctx.emit(await (await ctx.client()).instance_list(silo, project), human)
+    headers = ("INSTANCE", "STATE", "HEALTH", "VCPUS", "RAM", "DISK", "SLED")
+    await _emit_pages(ctx, InstanceList(silo=silo, project=project), headers, row)
+
+
+async def _emit_pages(
+    ctx: Ctx, body: Paged, headers: tuple[str, ...], row: Callable[[dict[str, Any]], tuple[Any, ...]]
+) -> None:
+    """A list, page by page: a table that starts with the first page, or (--json) the whole list."""
+    client = await ctx.client()
+    if getattr(ctx.args, "json", False):
+        print_json(await client.every(body))
+        return
+    table = TableStream(headers)
+    async for page in client.pages(body):
+        table.write([row(item) for item in page])
+    table.close()
 
 
 TARGETS: dict[str, str | None] = {"start": "running", "stop": "stopped", "delete": None}

@@ -30,6 +30,30 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[Cell]], out: Tex
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
+class TableStream:
+    """A table written a page at a time, as the pages arrive: the columns take the widths of the first
+    page (a wider cell later just pushes its line along), so a list of any length starts at once."""
+
+    def __init__(self, headers: Sequence[str], out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+        self.headers = [str(h) for h in headers]
+        self.widths: list[int] | None = None
+
+    def write(self, rows: Iterable[Sequence[Cell]]) -> None:
+        text = [[("-" if c is None else str(c)) for c in row] for row in rows]
+        if self.widths is None:
+            every = [self.headers, *text]
+            self.widths = [max(len(r[i]) for r in every) for i in range(len(self.headers))]
+            text = every
+        for r in text:
+            self.out.write("  ".join(c.ljust(w) for c, w in zip(r, self.widths, strict=True)).rstrip() + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.widths is None:
+            self.write([])
+
+
 def print_fields(fields: Sequence[tuple[str, Cell]], out: TextIO | None = None) -> None:
     """One `key  value` line per field, keys aligned: the shape of a `show`."""
     out = out or sys.stdout

@@ -352,10 +352,7 @@ async def serve(
                 log.exception("command on %s failed", msg.subject)
                 reply = Reply(ok=False, error={"code": "internal", "message": f"{type(e).__name__}: {e}"})
         if msg.reply:
-            try:
-                await msg.respond(reply.model_dump_json().encode())
-            except Exception as e:
-                log.info("reply to %s not sent: %s", msg.subject, e)
+            await _respond(msg, reply)
 
     tasks: set[asyncio.Task[None]] = set()
 
@@ -365,6 +362,23 @@ async def serve(
         t.add_done_callback(tasks.discard)
 
     return await nc.subscribe(subject, queue=queue, cb=on_msg)
+
+
+async def _respond(msg: Msg, reply: Reply) -> None:
+    """Answer, and never with silence: a reply that cannot be sent (too large for the broker, say) is
+    answered with an error that says why, so the caller learns at once instead of waiting out its timeout."""
+    try:
+        await msg.respond(reply.model_dump_json().encode())
+        return
+    except nats.errors.MaxPayloadError as e:
+        why = {"code": "too_large", "message": f"the reply is too large to send ({e}): ask for less"}
+    except Exception as e:
+        why = {"code": "internal", "message": f"the reply could not be sent: {type(e).__name__}: {e}"}
+    log.warning("reply to %s not sent: %s", msg.subject, why["message"])
+    try:
+        await msg.respond(Reply(ok=False, error=why).model_dump_json().encode())
+    except Exception as e:
+        log.info("error reply to %s not sent either: %s", msg.subject, e)
 
 
 async def request(nc: NATS, subject: str, body: Model, *, source: str, timeout: float = 10.0) -> Any:

@@ -394,6 +394,17 @@ class SledChanged(Model):
 
 # --- operator commands (request/reply, rp.cmd.<silo>.<resource>.<verb>) -------------------------------
 
+PAGE_LIMIT = 500
+"""The most rows one list reply carries: far below the broker's max_payload even for the widest rows."""
+
+
+class Paged(Model):
+    """A list is read a page at a time, in a stable order: `after` is the `next` of the page before (an
+    opaque cursor); the reply is `{items, next}`, `next` null on the last page."""
+
+    limit: Annotated[int, Field(ge=1, le=PAGE_LIMIT)] = 100
+    after: Annotated[str, Field(min_length=1, max_length=300)] | None = None
+
 
 @message("rp.cmd.silo.create")
 class SiloCreate(Model):
@@ -402,7 +413,7 @@ class SiloCreate(Model):
 
 
 @message("rp.cmd.silo.list")
-class SiloList(Model):
+class SiloList(Paged):
     pass
 
 
@@ -413,7 +424,7 @@ class ProjectCreate(Model):
 
 
 @message("rp.cmd.project.list")
-class ProjectList(Model):
+class ProjectList(Paged):
     silo: Name
 
 
@@ -484,13 +495,13 @@ class InstanceShow(InstanceRef):
 
 
 @message("rp.cmd.instance.list")
-class InstanceList(Model):
+class InstanceList(Paged):
     silo: Name | None = None
     project: Name | None = None
 
 
 @message("rp.cmd.sled.list")
-class SledList(Model):
+class SledList(Paged):
     pass
 
 
@@ -530,7 +541,7 @@ class PoolDelete(PoolRef):
 
 
 @message("rp.cmd.pool.list")
-class PoolList(Model):
+class PoolList(Paged):
     silo: Name | None = None
     project: Name | None = None
 

@@ -43,12 +43,17 @@ class App:
     # --- events ---
 
     async def view(self, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
-        r = await conn.fetchrow(
-            Q["instance_view"], instance_id, sled_unknown_after(), restart_cooldown(), restart_backoff_max()
-        )
-        if r is None:
+        views = await self.views(conn, [instance_id])
+        if not views:
             raise bus.NotFound(f"no instance {instance_id}")
-        return InstanceView.model_validate(dict(r))
+        return views[0]
+
+    async def views(self, conn: asyncpg.Connection, ids: list[uuid.UUID]) -> list[InstanceView]:
+        """The instances `ids`, in that order, in one query."""
+        rows = await conn.fetch(
+            Q["instance_view"], ids, sled_unknown_after(), restart_cooldown(), restart_backoff_max()
+        )
+        return [InstanceView.model_validate(dict(r)) for r in rows]
 
     async def instance_changed(self, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
         """Publish the instance as it now is, once the caller's transaction commits."""

@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle, orders, sleds
+from services.instance_manager import lifecycle, orders, paging, sleds
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.migrate_saga import MIGRATE
@@ -113,9 +113,11 @@ class Commands:
         self.app.relay.kick()
         return {"id": str(silo_id), "name": body.name, "quota": quota}
 
-    async def silo_list(self, body: SiloList, msg: Msg) -> list[dict[str, Any]]:
-        rows = await self.app.pool.fetch(Q["silo_list"])
-        return [{"id": str(r["id"]), "name": r["name"], "quota": r["quota"]} for r in rows]
+    async def silo_list(self, body: SiloList, msg: Msg) -> dict[str, Any]:
+        rows = await self.app.pool.fetch(Q["silo_page"], *paging.after(body.after, 1), body.limit)
+        rows, next_cursor = paging.page(rows, body.limit, lambda r: (r["name"],))
+        items = [{"id": str(r["id"]), "name": r["name"], "quota": r["quota"]} for r in rows]
+        return paging.reply(items, next_cursor)
 
     async def project_create(self, body: ProjectCreate, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():
@@ -135,9 +137,13 @@ class Commands:
         self.app.relay.kick()
         return {"id": str(project_id), "silo": body.silo, "name": body.name}
 
-    async def project_list(self, body: ProjectList, msg: Msg) -> list[dict[str, Any]]:
-        rows = await self.app.pool.fetch(Q["project_list"], body.silo)
-        return [{"id": str(r["id"]), "silo": r["silo"], "name": r["name"]} for r in rows]
+    async def project_list(self, body: ProjectList, msg: Msg) -> dict[str, Any]:
+        rows = await self.app.pool.fetch(
+            Q["project_page"], body.silo, *paging.after(body.after, 1), body.limit
+        )
+        rows, next_cursor = paging.page(rows, body.limit, lambda r: (r["name"],))
+        items = [{"id": str(r["id"]), "silo": r["silo"], "name": r["name"]} for r in rows]
+        return paging.reply(items, next_cursor)
 
     # --- instances ---
 
@@ -239,10 +245,14 @@ class Commands:
         async with self.app.pool.acquire() as conn:
             return instance_reply(await self.app.view(conn, await self._instance_id(conn, body)))
 
-    async def instance_list(self, body: InstanceList, msg: Msg) -> list[dict[str, Any]]:
+    async def instance_list(self, body: InstanceList, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn:
-            ids = await conn.fetch(Q["instance_list"], body.silo, body.project)
-            return [instance_reply(await self.app.view(conn, r["id"])) for r in ids]
+            rows = await conn.fetch(
+                Q["instance_page"], body.silo, body.project, *paging.after(body.after, 3), body.limit
+            )
+            rows, next_cursor = paging.page(rows, body.limit, lambda r: (r["silo"], r["project"], r["name"]))
+            views = await self.app.views(conn, [r["id"] for r in rows])
+        return paging.reply([instance_reply(v) for v in views], next_cursor)
 
     # --- recovery's orders (orders.py: each applied only if what recovery saw still holds) ---
 
@@ -291,6 +301,8 @@ class Commands:
             sled = await sleds.announce(self.app, conn, body.sled_id, "expunged")
         return {**sled.model_dump(mode="json"), "vmms_failed": failed}
 
-    async def sled_list(self, body: SledList, msg: Msg) -> list[dict[str, Any]]:
-        rows = await self.app.pool.fetch(Q["sled_list"], None)
-        return [{**dict(r), "boot_id": str(r["boot_id"]) if r["boot_id"] else None} for r in rows]
+    async def sled_list(self, body: SledList, msg: Msg) -> dict[str, Any]:
+        rows = await self.app.pool.fetch(Q["sled_page"], *paging.after(body.after, 1), body.limit)
+        rows, next_cursor = paging.page(rows, body.limit, lambda r: (r["id"],))
+        items = [{**dict(r), "boot_id": str(r["boot_id"]) if r["boot_id"] else None} for r in rows]
+        return paging.reply(items, next_cursor)

@@ -24,7 +24,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle
+from services.instance_manager import lifecycle, paging
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.start_saga import START, AlreadyRunning
@@ -48,7 +48,12 @@ MAX_STARTS_PER_PASS = 32
 
 
 async def view(conn: asyncpg.Connection, pool_id: uuid.UUID) -> PoolView:
-    return PoolView.model_validate(dict(await conn.fetchrow(P["pool_view"], pool_id)))
+    return (await views(conn, [pool_id]))[0]
+
+
+async def views(conn: asyncpg.Connection, ids: list[uuid.UUID]) -> list[PoolView]:
+    """The pools `ids`, in that order, in one query."""
+    return [PoolView.model_validate(dict(r)) for r in await conn.fetch(P["pool_view"], ids)]
 
 
 async def announce(
@@ -119,10 +124,14 @@ class Pools:
                 mode="json"
             )
 
-    async def list(self, body: PoolList, msg: Msg) -> list[dict[str, Any]]:
+    async def list(self, body: PoolList, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn:
-            ids = await conn.fetch(P["pool_list"], body.silo, body.project)
-            return [(await view(conn, r["id"])).model_dump(mode="json") for r in ids]
+            rows = await conn.fetch(
+                P["pool_page"], body.silo, body.project, *paging.after(body.after, 3), body.limit
+            )
+            rows, next_cursor = paging.page(rows, body.limit, lambda r: (r["silo"], r["project"], r["name"]))
+            found = await views(conn, [r["id"] for r in rows])
+        return paging.reply([v.model_dump(mode="json") for v in found], next_cursor)
 
     async def resize(self, body: PoolResize, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():

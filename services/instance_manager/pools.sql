@@ -8,8 +8,8 @@ JOIN projects p ON p.id = pl.project_id JOIN silos s ON s.id = p.silo_id
 WHERE s.name = $1 AND p.name = $2 AND pl.name = $3 AND pl.state = 'active';
 
 -- name: pool_view
--- A pool with its members counted: idle (booted, never handed out), provisioning (on the way),
--- handed out (picked, now a customer's instance).
+-- Pools $1 (in that order) with their members counted: idle (booted, never handed out), provisioning
+-- (on the way), handed out (picked, now a customer's instance).
 SELECT pl.id, s.name AS silo, p.name AS project, pl.name, pl.vcpus, pl.ram_bytes, pl.disk_bytes,
        pl.target_size, pl.state, pl.generation, pl.project_id, s.id AS silo_id,
        count(i.id) FILTER (WHERE i.has_customer_data_at IS NULL AND i.provisioned_at IS NOT NULL
@@ -20,13 +20,19 @@ SELECT pl.id, s.name AS silo, p.name AS project, pl.name, pl.vcpus, pl.ram_bytes
 FROM pools pl
 JOIN projects p ON p.id = pl.project_id JOIN silos s ON s.id = p.silo_id
 LEFT JOIN instances i ON i.pool_id = pl.id AND i.state <> 'destroyed'
-WHERE pl.id = $1
-GROUP BY pl.id, s.name, p.name, s.id;
+JOIN unnest($1::uuid[]) WITH ORDINALITY AS wanted (id, n) ON wanted.id = pl.id
+GROUP BY pl.id, s.name, p.name, s.id, wanted.n
+ORDER BY wanted.n;
 
--- name: pool_list
-SELECT pl.id FROM pools pl JOIN projects p ON p.id = pl.project_id JOIN silos s ON s.id = p.silo_id
+-- name: pool_page
+-- A page of pools (of silo $1, project $2, or all) after (silo, project, name) ($3, $4, $5), $6 at most
+-- (and one more, to tell whether another page follows).
+SELECT pl.id, s.name AS silo, p.name AS project, pl.name
+FROM pools pl JOIN projects p ON p.id = pl.project_id JOIN silos s ON s.id = p.silo_id
 WHERE pl.state = 'active' AND ($1::text IS NULL OR s.name = $1) AND ($2::text IS NULL OR p.name = $2)
-ORDER BY s.name, p.name, pl.name;
+  AND ($3::text IS NULL OR (s.name, p.name, pl.name) > ($3, $4, $5))
+ORDER BY s.name, p.name, pl.name
+LIMIT $6 + 1;
 
 -- name: pool_resize
 UPDATE pools SET target_size = $2, generation = generation + 1, updated_at = now()

@@ -4,8 +4,9 @@ INSERT INTO silos (id, name, quota) VALUES ($1, $2, $3) ON CONFLICT (name) DO NO
 -- name: silo_by_name
 SELECT id, name, quota, created_at FROM silos WHERE name = $1;
 
--- name: silo_list
-SELECT id, name, quota, created_at FROM silos ORDER BY name;
+-- name: silo_page
+-- A page of silos after name $1, $2 at most (and one more, to tell whether another page follows).
+SELECT id, name, quota, created_at FROM silos WHERE $1::text IS NULL OR name > $1 ORDER BY name LIMIT $2 + 1;
 
 -- name: project_insert
 INSERT INTO projects (id, silo_id, name) VALUES ($1, $2, $3) ON CONFLICT (silo_id, name) DO NOTHING RETURNING id;
@@ -15,9 +16,11 @@ SELECT p.id, p.name, p.silo_id, s.name AS silo
 FROM projects p JOIN silos s ON s.id = p.silo_id
 WHERE s.name = $1 AND p.name = $2;
 
--- name: project_list
+-- name: project_page
 SELECT p.id, p.name, s.name AS silo, p.created_at
-FROM projects p JOIN silos s ON s.id = p.silo_id WHERE s.name = $1 ORDER BY p.name;
+FROM projects p JOIN silos s ON s.id = p.silo_id
+WHERE s.name = $1 AND ($2::text IS NULL OR p.name > $2)
+ORDER BY p.name LIMIT $3 + 1;
 
 -- name: instance_insert
 -- An ordinary instance may hold customer data from the start; a pool VM ($8) only once handed out.
@@ -28,7 +31,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating', $8, CASE WHEN $8::uuid IS NULL T
         CASE WHEN $8::uuid IS NULL THEN 'stopped' ELSE 'running' END);
 
 -- name: instance_view
--- Everything a reply or an event says about an instance. $2: seconds of sled silence after which its
+-- Everything a reply or an event says about an instance, for each of the instances $1, in that order. $2: seconds of sled silence after which its
 -- instances' health is unknown; $3: the automatic restart cooldown, in seconds; $4: the longest wait
 -- between automatic restarts. The cooldown doubles with each restart in a row that could not start
 -- the instance (no room, no quota), up to $4: the one rule for when the next restart is due.
@@ -58,7 +61,8 @@ LEFT JOIN vmms v ON v.id = i.active_vmm_id
 LEFT JOIN sleds sl ON sl.id = v.sled_id
 LEFT JOIN pools pl ON pl.id = i.pool_id
 LEFT JOIN vmms tv ON tv.id = i.target_vmm_id
-WHERE i.id = $1;
+JOIN unnest($1::uuid[]) WITH ORDINALITY AS wanted (id, n) ON wanted.id = i.id
+ORDER BY wanted.n;
 
 -- name: instance_by_name
 SELECT i.id, i.state, i.generation, i.active_vmm_id
@@ -67,12 +71,16 @@ JOIN projects p ON p.id = i.project_id
 JOIN silos s ON s.id = p.silo_id
 WHERE s.name = $1 AND p.name = $2 AND i.name = $3 AND i.state <> 'destroyed';
 
--- name: instance_list
-SELECT i.id FROM instances i
+-- name: instance_page
+-- A page of instances (of silo $1, project $2, or all), after (silo, project, name) ($3, $4, $5), in that
+-- order, $6 at most (and one more, to tell whether another page follows).
+SELECT i.id, s.name AS silo, p.name AS project, i.name FROM instances i
 JOIN projects p ON p.id = i.project_id
 JOIN silos s ON s.id = p.silo_id
 WHERE i.state <> 'destroyed' AND ($1::text IS NULL OR s.name = $1) AND ($2::text IS NULL OR p.name = $2)
-ORDER BY s.name, p.name, i.name;
+  AND ($3::text IS NULL OR (s.name, p.name, i.name) > ($3, $4, $5))
+ORDER BY s.name, p.name, i.name
+LIMIT $6 + 1;
 
 -- name: instance_lock
 SELECT id, project_id, state, generation, active_vmm_id, target_vmm_id, vcpus, ram_bytes, disk_bytes,
@@ -203,11 +211,19 @@ WHERE (coalesce(sleds.boot_number, 0), coalesce(sleds.inventory_seq, -1))
       < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
 RETURNING boot_number;
 
--- name: sled_list
--- Every sled ($1 NULL), or one.
+-- name: sled_view
 SELECT s.id, s.state, s.boot_id, s.boot_number, s.vcpus, s.ram_bytes, s.reserved_vcpus, s.reserved_ram_bytes,
        s.last_seen_at, (SELECT count(*) FROM vmms v WHERE v.sled_id = s.id AND v.ended_at IS NULL) AS vmms
-FROM sleds s WHERE $1::text IS NULL OR s.id = $1 ORDER BY s.id;
+FROM sleds s WHERE s.id = $1;
+
+-- name: sled_page
+-- A page of sleds after id $1, $2 at most (and one more, to tell whether another page follows).
+SELECT s.id, s.state, s.boot_id, s.boot_number, s.vcpus, s.ram_bytes, s.reserved_vcpus, s.reserved_ram_bytes,
+       s.last_seen_at, coalesce(v.n, 0) AS vmms
+FROM sleds s
+LEFT JOIN (SELECT sled_id, count(*) AS n FROM vmms WHERE ended_at IS NULL GROUP BY sled_id) v ON v.sled_id = s.id
+WHERE $1::text IS NULL OR s.id > $1
+ORDER BY s.id LIMIT $2 + 1;
 
 -- name: outcome_insert
 INSERT INTO charge_outcomes (instance_id, generation, outcome, reason) VALUES ($1, $2, $3, $4)

@@ -44,7 +44,7 @@ async def apply_inventory(app: App, inv: SledInventory) -> str:
 
 async def announce(app: App, conn: asyncpg.Connection, sled_id: str, change: str) -> SledView:
     """Publish the sled as it now is (after commit); `change` names the change, for the message id."""
-    sled = SledView.model_validate(dict(await conn.fetchrow(Q["sled_list"], sled_id)))
+    sled = SledView.model_validate(dict(await conn.fetchrow(Q["sled_view"], sled_id)))
     await enqueue(
         conn,
         subjects.event(None, "sled", "changed"),
