@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install run test lint chaos fuzz bench clean
+.PHONY: install run test lint chaos fuzz bench schemas clean
 
 $(BIN)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ chaos: install
 ## `make test` runs it with a few hundred
 fuzz: install
 	FUZZ_MESSAGES=$(or $(FUZZ_MESSAGES),10000) FUZZ_SEED=$(FUZZ_SEED) $(BIN)/pytest -n 0 -s -p no:cacheprovider -o timeout=0 tests/fuzz
+
+## schemas: write the contract as data from the code: docs/schemas/*.json (JSON Schema per message schema
+## and version, and a kept example of each) and docs/asyncapi.yaml (AsyncAPI 3.0); commit what it writes
+schemas: install
+	$(BIN)/python -m shared.contract
 
 ## bench: benchmarks; they print ratios against a baseline measured in the same run
 bench: install

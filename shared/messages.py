@@ -44,7 +44,16 @@ class BadMessage(Exception):
 
 
 class Model(BaseModel):
+    """Commands, reports and deltas are read strictly: a field the reader does not know is an error."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Event(Model):
+    """Events (and the views they carry) are read tolerantly: a field the reader does not know is ignored,
+    so that adding an optional field keeps the version (docs/subjects.md, "Versions")."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class Envelope(Model):
@@ -285,21 +294,21 @@ class Outcome(StrEnum):
 
 
 @message("rp.evt.provision.outcome")
-class ProvisionOutcome(Model):
+class ProvisionOutcome(Event):
     instance_id: uuid.UUID
     generation: Generation
     outcome: Outcome
     reason: str = ""
 
 
-class Usage(Model):
+class Usage(Event):
     vcpus: int
     ram_bytes: int
     disk_bytes: int
 
 
 @message("rp.evt.usage.changed")
-class UsageChanged(Model):
+class UsageChanged(Event):
     silo_id: uuid.UUID
     project_id: uuid.UUID
     project: Usage
@@ -316,21 +325,21 @@ class Quota(Model):
 
 
 @message("rp.evt.silo.created")
-class SiloCreated(Model):
+class SiloCreated(Event):
     silo_id: uuid.UUID
     name: Name
     quota: Quota
 
 
 @message("rp.evt.project.created")
-class ProjectCreated(Model):
+class ProjectCreated(Event):
     project_id: uuid.UUID
     silo_id: uuid.UUID
     silo: Name
     name: Name
 
 
-class InstanceView(Model):
+class InstanceView(Event):
     id: uuid.UUID
     silo: Name
     project: Name
@@ -370,11 +379,11 @@ class InstanceView(Model):
 
 
 @message("rp.evt.instance.changed")
-class InstanceChanged(Model):
+class InstanceChanged(Event):
     instance: InstanceView
 
 
-class SledView(Model):
+class SledView(Event):
     id: str
     state: str
     boot_id: uuid.UUID | None
@@ -388,7 +397,7 @@ class SledView(Model):
 
 
 @message("rp.evt.sled.changed")
-class SledChanged(Model):
+class SledChanged(Event):
     sled: SledView
 
 
@@ -548,7 +557,7 @@ class PoolList(Paged):
     _project_needs_silo = field_validator("project")(project_within_silo)
 
 
-class PoolView(Model):
+class PoolView(Event):
     id: uuid.UUID
     silo: Name
     project: Name
@@ -567,7 +576,7 @@ class PoolView(Model):
 
 
 @message("rp.evt.pool.changed")
-class PoolChanged(Model):
+class PoolChanged(Event):
     """A pool was created, resized, deleted, or handed one of its VMs out (`instance_id`)."""
 
     pool: PoolView

@@ -1,0 +1,386 @@
+"""The contract as data: every channel (subject), what travels on it, who sends and who receives it.
+
+docs/subjects.md explains the contract to people; this module states it for programs. `make schemas`
+(`python -m shared.contract`) writes from it, and from the pydantic models, one JSON Schema per message
+schema and version (docs/schemas/) and an AsyncAPI 3.0 document (docs/asyncapi.yaml), which a consumer in
+any language can generate code from; tests/test_contract.py fails when the committed files drift from the
+code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from shared import subjects
+from shared.messages import Envelope, Model, registry
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMAS = ROOT / "docs" / "schemas"
+ASYNCAPI = ROOT / "docs" / "asyncapi.yaml"
+
+OPERATORS = ("rackctl",)
+Kind = Literal["request", "stream"]
+
+
+@dataclass(frozen=True)
+class Channel:
+    address: str
+    """The subject, with `{parameters}` for its variable tokens."""
+    kind: Kind
+    """`request`: request/reply (the receiver answers on the sender's inbox); `stream`: a JetStream stream."""
+    schemas: tuple[str, ...]
+    senders: tuple[str, ...]
+    receivers: tuple[str, ...]
+    description: str
+
+    @property
+    def parameters(self) -> list[str]:
+        return [t[1:-1] for t in self.address.split(".") if t.startswith("{")]
+
+
+PARAMETERS = {
+    "silo": f"a silo's name, or `{subjects.FLEET}` for fleet-wide commands and events",
+    "sled": "a sled's id",
+    "project": "a project's name within the silo",
+    "service": "a service's name: " + ", ".join(subjects.SERVICES),
+}
+
+EVENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "rp.evt.silo.created": (("instance-manager",), ("accounting",)),
+    "rp.evt.project.created": (("instance-manager",), ("accounting",)),
+    "rp.evt.instance.changed": (("instance-manager",), ("recovery",)),
+    "rp.evt.provision.outcome": (("accounting",), ("instance-manager",)),
+    "rp.evt.usage.changed": (("accounting",), ()),
+    "rp.evt.pool.changed": (("instance-manager",), ()),
+    "rp.evt.sled.changed": (("instance-manager",), ("recovery",)),
+}
+"""Each event: who publishes it, and which of rackplane's services consume it (anyone else may follow)."""
+
+ORDERS = (
+    "rp.cmd.vmm.lost",
+    "rp.cmd.vmm.stuck",
+    "rp.cmd.vmm.zombie",
+    "rp.cmd.instance.restart",
+    "rp.cmd.instance.settle",
+)
+"""Recovery's orders to instance-manager (conditions: refused as stale when what they saw has moved)."""
+FLEET_ONLY = (*ORDERS, "rp.cmd.silo.create", "rp.cmd.silo.list", "rp.cmd.sled.list", "rp.cmd.sled.expunge")
+"""Commands whose bodies name no silo: they travel on `_fleet` only."""
+
+
+def _command(schema: str) -> Channel:
+    resource, verb = schema.removeprefix("rp.cmd.").split(".")
+    receiver = "accounting" if resource == "usage" else "instance-manager"
+    sender = ("recovery",) if schema in ORDERS else OPERATORS
+    silo = subjects.FLEET if schema in FLEET_ONLY else "{silo}"
+    return Channel(
+        f"rp.cmd.{silo}.{resource}.{verb}",
+        "request",
+        (schema,),
+        sender,
+        (receiver,),
+        f"{'recovery orders' if schema in ORDERS else 'operator command'}: {resource} {verb}",
+    )
+
+
+def channels() -> list[Channel]:
+    """Every channel, derived from the registered schemas (so a new schema cannot be left out)."""
+    out: list[Channel] = []
+    for schema, _ in sorted(registry()):
+        if schema.startswith("rp.cmd."):
+            out.append(_command(schema))
+        elif schema.startswith("rp.sled.vmm.") and schema != "rp.sled.vmm.report":
+            verb = schema.removeprefix("rp.sled.")
+            out.append(
+                Channel(
+                    f"rp.sled.{{sled}}.cmd.{verb}",
+                    "stream",
+                    (schema,),
+                    ("instance-manager",),
+                    ("sled-agent",),
+                    f"a command to one sled: {verb} (stream {subjects.SLED_CMD_STREAM})",
+                )
+            )
+        elif schema in ("rp.sled.vmm.report", "rp.sled.inventory"):
+            kind = "vmm" if schema == "rp.sled.vmm.report" else "inventory"
+            readers = ("instance-manager",) if kind == "vmm" else ("instance-manager", "recovery")
+            out.append(
+                Channel(
+                    f"rp.sled.{{sled}}.report.{kind}",
+                    "stream",
+                    (schema,),
+                    ("sled-agent",),
+                    readers,
+                    f"a sled's {kind} report (stream {subjects.SLED_REPORT_STREAM})",
+                )
+            )
+        elif schema == "rp.acct.delta":
+            out.append(
+                Channel(
+                    "rp.acct.delta.{silo}.{project}",
+                    "stream",
+                    (schema,),
+                    ("instance-manager",),
+                    ("accounting",),
+                    f"a provisioning delta (stream {subjects.PROVISION_STREAM})",
+                )
+            )
+        elif schema.startswith("rp.evt."):
+            resource, what = schema.removeprefix("rp.evt.").split(".")
+            silo = "_fleet" if resource == "sled" else "{silo}"
+            senders, receivers = EVENTS[schema]
+            out.append(
+                Channel(
+                    f"rp.evt.{silo}.{resource}.{what}",
+                    "stream",
+                    (schema,),
+                    senders,
+                    receivers,
+                    f"event: {resource} {what} (stream {subjects.EVENTS_STREAM}; anyone may follow it)",
+                )
+            )
+        elif schema.startswith("rp.sim."):
+            out.append(Channel(schema, "request", (schema,), OPERATORS, ("sled-agent",), "simulator control"))
+        elif schema.startswith("rp.svc."):
+            what = schema.removeprefix("rp.svc.")
+            out.append(
+                Channel(
+                    f"rp.svc.{{service}}.{what}",
+                    "request",
+                    (schema,),
+                    OPERATORS,
+                    subjects.SERVICES,
+                    f"a service's {what}",
+                )
+            )
+        else:
+            raise ValueError(f"schema {schema} has no channel: add it to shared/contract.py")
+    return out
+
+
+# --- JSON Schema --------------------------------------------------------------------------------------
+
+
+def schema_file(schema: str, version: int) -> str:
+    return f"{schema}.v{version}.json"
+
+
+def json_schema(schema: str, version: int, model: type[Model]) -> dict[str, Any]:
+    """The whole message, envelope and body, as one standalone JSON Schema (draft 2020-12)."""
+    body = model.model_json_schema()
+    defs = body.pop("$defs", {})
+    envelope = Envelope.model_json_schema(by_alias=True)
+    props = dict(envelope["properties"])
+    props["schema"] = {"const": schema, "description": "the message's schema"}
+    props["version"] = {"const": version, "description": "the schema's version"}
+    props["data"] = {"$ref": f"#/$defs/{model.__name__}"}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"urn:rackplane:schema:{schema}:v{version}",
+        "title": f"{schema} v{version}",
+        "description": (model.__doc__ or "").strip(),
+        "type": "object",
+        "properties": props,
+        "required": envelope["required"],
+        "additionalProperties": False,
+        "$defs": {model.__name__: body, **defs},
+        "examples": [example(schema, version, model)],
+    }
+
+
+EXAMPLES = SCHEMAS / "examples"
+"""One example message per schema and version, written once and never rewritten: the compatibility test
+replays every one of them against today's readers, so a change that breaks an old reader's messages fails
+even after the schemas are written anew."""
+
+
+# --- examples -----------------------------------------------------------------------------------------
+
+EXAMPLE_UUID = "00000000-0000-4000-8000-000000000001"
+EXAMPLE_TIME = "2026-12-01T00:00:00Z"
+EXAMPLE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "rp.cmd.vmm.lost": {"vmm_boot": 1, "sled_boot": 2},
+    "rp.cmd.instance.create": {"vcpus": 2, "ram_bytes": 2**32, "disk_bytes": 2**34},
+}
+"""What the generic example of a schema gets wrong (its model checks fields against each other)."""
+
+
+def _value(s: dict[str, Any], defs: dict[str, Any]) -> Any:
+    """A small valid value of a JSON Schema, the same every time."""
+    if "$ref" in s:
+        return _value(defs[s["$ref"].rsplit("/", 1)[1]], defs)
+    if "anyOf" in s:
+        options = [o for o in s["anyOf"] if o.get("type") != "null"] or s["anyOf"]
+        return _value(options[0], defs)
+    if "const" in s:
+        return s["const"]
+    if "enum" in s:
+        return s["enum"][0]
+    kind = s.get("type")
+    if kind == "object":
+        props = s.get("properties", {})
+        return {k: _value(props[k], defs) for k in s.get("required", [])}
+    if kind == "array":
+        return [_value(s.get("items", {}), defs) for _ in range(s.get("minItems", 0))]
+    if kind == "integer":
+        return max(s.get("minimum", 1), s.get("exclusiveMinimum", 0) + 1)
+    if kind == "number":
+        return float(s.get("minimum", 1))
+    if kind == "boolean":
+        return False
+    if kind == "string":
+        if s.get("format") == "uuid":
+            return EXAMPLE_UUID
+        if s.get("format") == "date-time":
+            return EXAMPLE_TIME
+        for candidate in ("example", "a", "x" * max(1, s.get("minLength", 1))):
+            if "pattern" not in s or re.fullmatch(s["pattern"], candidate):
+                return candidate
+    raise ValueError(f"no example for {s}")
+
+
+def example(schema: str, version: int, model: type[Model]) -> dict[str, Any]:
+    """One valid message of `schema` at `version`, envelope and all, checked against its model."""
+    body = model.model_json_schema()
+    data = {**_value(body, body.get("$defs", {})), **EXAMPLE_OVERRIDES.get(schema, {})}
+    model.model_validate(data)  # an example that today's reader refuses is a bug here
+    return {
+        "schema": schema,
+        "version": version,
+        "id": EXAMPLE_UUID,
+        "source": "example",
+        "time": EXAMPLE_TIME,
+        "data": data,
+    }
+
+
+# --- AsyncAPI -----------------------------------------------------------------------------------------
+
+
+def _name(address: str) -> str:
+    return address.replace("{", "").replace("}", "").replace(".", "-")
+
+
+def asyncapi() -> dict[str, Any]:
+    chans: dict[str, Any] = {}
+    ops: dict[str, Any] = {}
+    messages: dict[str, Any] = {}
+    for (schema, version), model in sorted(registry().items()):
+        messages[f"{schema}.v{version}"] = {
+            "name": schema,
+            "title": f"{schema} v{version}",
+            "summary": (model.__doc__ or schema).strip().split("\n")[0],
+            "contentType": "application/json",
+            "headers": {
+                "type": "object",
+                "properties": {
+                    "Nats-Msg-Id": {"type": "string", "description": "dedupe id, derived from meaning"},
+                    "traceparent": {"type": "string", "description": "W3C trace context"},
+                },
+            },
+            "payload": {"$ref": f"schemas/{schema_file(schema, version)}"},
+        }
+    versions: dict[str, list[int]] = {}
+    for schema, version in registry():
+        versions.setdefault(schema, []).append(version)
+    for ch in channels():
+        name = _name(ch.address)
+        refs = {
+            f"{s}.v{v}": {"$ref": f"#/components/messages/{s}.v{v}"} for s in ch.schemas for v in versions[s]
+        }
+        chans[name] = {
+            "address": ch.address,
+            "description": ch.description,
+            "messages": refs,
+            **(
+                {"parameters": {p: {"description": PARAMETERS[p]} for p in ch.parameters}}
+                if ch.parameters
+                else {}
+            ),
+            "bindings": {"nats": {"bindingVersion": "0.1.0"}},
+        }
+        listed = [{"$ref": f"#/channels/{name}/messages/{m}"} for m in refs]
+        ops[f"{name}.send"] = {
+            "action": "send",
+            "channel": {"$ref": f"#/channels/{name}"},
+            "messages": listed,
+            "summary": f"sent by {', '.join(ch.senders)}"
+            + (" (request/reply)" if ch.kind == "request" else ""),
+            "x-rackplane-senders": list(ch.senders),
+        }
+        ops[f"{name}.receive"] = {
+            "action": "receive",
+            "channel": {"$ref": f"#/channels/{name}"},
+            "messages": listed,
+            "summary": f"received by {', '.join(ch.receivers) or 'anyone who follows it'}",
+            "x-rackplane-receivers": list(ch.receivers),
+        }
+    return {
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "rackplane",
+            "version": "1",
+            "description": (
+                "The subjects of rackplane's control plane on NATS: operator commands and recovery's "
+                "orders (request/reply), sled commands and reports, provisioning deltas and events "
+                "(JetStream). Every message is an envelope {schema, version, id, source, time, data}; "
+                "docs/subjects.md explains each."
+            ),
+        },
+        "defaultContentType": "application/json",
+        "servers": {"local": {"host": "127.0.0.1:4222", "protocol": "nats"}},
+        "channels": chans,
+        "operations": ops,
+        "components": {"messages": messages},
+    }
+
+
+# --- writing and checking the files ---------------------------------------------------------------------
+
+
+def rendered() -> dict[Path, str]:
+    """Every file `make schemas` writes, with its content."""
+    out = {
+        SCHEMAS / schema_file(s, v): json.dumps(json_schema(s, v, m), indent=2, sort_keys=True) + "\n"
+        for (s, v), m in sorted(registry().items())
+    }
+    header = "# Written by `make schemas` (python -m shared.contract) from the code: do not edit.\n"
+    out[ASYNCAPI] = header + yaml.safe_dump(asyncapi(), sort_keys=False, width=110)
+    return out
+
+
+def drift() -> list[str]:
+    """What differs between the committed files and the code (empty: none)."""
+    files = rendered()
+    out = [
+        f"{p.relative_to(ROOT)} is out of date"
+        for p, text in files.items()
+        if not p.exists() or p.read_text() != text
+    ]
+    out += [f"{p.relative_to(ROOT)} has no schema any more" for p in SCHEMAS.glob("*.json") if p not in files]
+    return out
+
+
+def main() -> None:
+    EXAMPLES.mkdir(parents=True, exist_ok=True)
+    for (s, v), m in sorted(registry().items()):
+        kept = EXAMPLES / schema_file(s, v)
+        if not kept.exists():
+            kept.write_text(json.dumps(example(s, v, m), indent=2, sort_keys=True) + "\n")
+    files = rendered()
+    for stale in set(SCHEMAS.glob("*.json")) - set(files):
+        stale.unlink()
+    for path, text in files.items():
+        path.write_text(text)
+    where = f"{SCHEMAS.relative_to(ROOT)}/ and {ASYNCAPI.relative_to(ROOT)}"
+    print(f"wrote {len(files) - 1} JSON Schemas to {where}")
+
+
+if __name__ == "__main__":
+    main()
