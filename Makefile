@@ -6,6 +6,7 @@ BIN    := $(VENV)/bin
 .PHONY: install run test lint chaos fuzz bench schemas clean
 
 $(BIN)/.installed: pyproject.toml requirements.lock requirements-dev.lock
+	@$(PYTHON) deploy/preflight.py install
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.lock -r requirements-dev.lock
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
@@ -15,12 +16,14 @@ install: $(BIN)/.installed
 
 ## run: start NATS, Postgres and the four services (or use NATS_URL / DATABASE_URL); Ctrl-C stops all
 run: install
+	@$(PYTHON) deploy/preflight.py run
 	$(BIN)/python -m deploy.stack
 
 ## test: lint, then the whole suite against real nats-server and PostgreSQL processes. Tests run on up to
 ## 4 workers (one per core), each with stacks of its own; the suite starts some 300 Python processes, so
 ## the project is byte-compiled first (whatever PYTHONDONTWRITEBYTECODE says).
 test: install lint
+	@$(PYTHON) deploy/preflight.py test
 	$(BIN)/python -m compileall -q -j 0 shared services rackctl deploy
 	$(BIN)/pytest -n auto --maxprocesses 4 --dist worksteal
 
