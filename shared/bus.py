@@ -30,6 +30,7 @@ from nats.js import JetStreamContext, api
 
 from shared import subjects, telemetry
 from shared.config import ack_wait as ack_wait_default
+from shared.config import duplicate_window
 from shared.crash import crash_point
 from shared.errors import transient
 from shared.faults import FAULTS
@@ -37,7 +38,6 @@ from shared.messages import BadMessage, Envelope, Model, Reply, decode, encode, 
 
 log = logging.getLogger(__name__)
 
-DUPLICATE_WINDOW_S = 120.0
 MSG_ID = "Nats-Msg-Id"
 
 
@@ -120,7 +120,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
             subjects=subs,
             storage=api.StorageType.FILE,
             retention=api.RetentionPolicy.LIMITS,
-            duplicate_window=DUPLICATE_WINDOW_S,
+            duplicate_window=duplicate_window(),
             max_age=7 * 24 * 3600.0,
         )
         try:
@@ -322,6 +322,13 @@ async def serve(
     expect = tuple(handlers)
 
     async def answer(msg: Msg) -> None:
+        if FAULTS.active and FAULTS.duplicates_request(msg.subject):
+            spawn(handle(msg))  # the same request a second time, as a sender's retry would be; reply dropped
+        reply = await handle(msg)
+        if msg.reply and (not FAULTS.active or await FAULTS.before_reply(msg.subject)):
+            await _respond(msg, reply)
+
+    async def handle(msg: Msg) -> Reply:
         try:
             env, body = decode(msg.data, expect)
             if wrong_subject := subjects.command_error(msg.subject, env.schema_):
@@ -351,15 +358,17 @@ async def serve(
             else:
                 log.exception("command on %s failed", msg.subject)
                 reply = Reply(ok=False, error={"code": "internal", "message": f"{type(e).__name__}: {e}"})
-        if msg.reply:
-            await _respond(msg, reply)
+        return reply
 
-    tasks: set[asyncio.Task[None]] = set()
+    tasks: set[asyncio.Task[Any]] = set()
 
-    async def on_msg(msg: Msg) -> None:
-        t = asyncio.create_task(answer(msg))
+    def spawn(coro: Awaitable[Any]) -> None:
+        t = asyncio.ensure_future(coro)
         tasks.add(t)
         t.add_done_callback(tasks.discard)
+
+    async def on_msg(msg: Msg) -> None:
+        spawn(answer(msg))
 
     return await nc.subscribe(subject, queue=queue, cb=on_msg)
 

@@ -73,6 +73,13 @@ def transition_timeout() -> float:
     return env_float("RACKPLANE_TRANSITION_TIMEOUT", 60.0)
 
 
+def duplicate_window() -> float:
+    """Seconds the broker remembers a message id to drop its repeats (set on each stream when it is made
+    or updated). Past it, a resend is caught by the receivers' own fences; chaos runs use a short one to
+    prove that."""
+    return env_float("RACKPLANE_DUPLICATE_WINDOW", 120.0)
+
+
 def ack_wait() -> float:
     """Seconds JetStream waits for a consumer's ack before redelivering (set when a durable is created).
 

@@ -23,8 +23,13 @@ Consumed messages (`bus.Consumer`) can have
   handler*; the redelivery runs at once and normally wins, the first delivery finishes later and must
   find nothing left to do. Only first deliveries are slowed, so the pair always ends.
 
-A subject-prefix filter (`only`) confines every fault to the subjects it names. Commands
-(request/reply), dead letters and the sled simulator's own faults (`rp.sim.faults.set`) are untouched.
+Requests a service answers (commands, `bus.serve`) can be
+- handled twice: a duplicate of the request, as a sender's retry would make (the second reply is dropped);
+- answered late: the reply held for up to S seconds;
+- left unanswered: the reply dropped, so that the requester times out (and may ask again).
+
+A subject-prefix filter (`only`) confines every fault to the subjects it names. Stats and fault requests
+(`rp.svc.*`), dead letters and the sled simulator's own faults (`rp.sim.faults.set`) are untouched.
 The settings live in the process: a restarted service starts with none.
 """
 
@@ -118,7 +123,9 @@ class Faults:
             or s.drop_first_attempt
         )
         consuming = (s.hold_acks and (s.hold_acks.count or s.hold_acks.probability)) or s.slow_handler_seconds
-        self.active = bool(self._outgoing or consuming)
+        r = s.requests
+        answering = r and (r.duplicate_probability or r.delay_reply_seconds or r.drop_reply_probability)
+        self.active = bool(self._outgoing or consuming or answering)
 
     def targets(self, subject: str) -> bool:
         only = self.settings.only
@@ -234,6 +241,32 @@ class Faults:
         async with self._release_lock:  # one window at a time, so the broker stores them in this order
             for out in order:
                 await self._deliver(out)
+
+    # --- requests answered ---
+
+    def _request_fault(self, subject: str) -> Any:
+        r = self.settings.requests
+        return r if r is not None and not subject.startswith("rp.svc.") and self.targets(subject) else None
+
+    def duplicates_request(self, subject: str) -> bool:
+        r = self._request_fault(subject)
+        if r is None or not (r.duplicate_probability and self.rng.random() < r.duplicate_probability):
+            return False
+        telemetry.count("faults.duplicate_request")
+        return True
+
+    async def before_reply(self, subject: str) -> bool:
+        """Hold the reply (a delay fault) and say whether to send it at all (a drop fault)."""
+        r = self._request_fault(subject)
+        if r is None:
+            return True
+        if r.delay_reply_seconds:
+            telemetry.count("faults.delay_reply")
+            await asyncio.sleep(self.rng.uniform(0, r.delay_reply_seconds))
+        if r.drop_reply_probability and self.rng.random() < r.drop_reply_probability:
+            telemetry.count("faults.drop_reply")
+            return False
+        return True
 
     # --- consumed messages ---
 

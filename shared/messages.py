@@ -785,6 +785,17 @@ class HoldAcksFault(Model):
     count: Annotated[int, Field(ge=0, le=1_000_000)] = 0
 
 
+class RequestFault(Model):
+    """Faults on the requests (commands) a service answers: each is handled twice with
+    `duplicate_probability` (a request its sender retried), its reply held for up to
+    `delay_reply_seconds`, or dropped with `drop_reply_probability` (the requester times out, and may ask
+    again)."""
+
+    duplicate_probability: Annotated[float, Field(ge=0, le=1)] = 0
+    delay_reply_seconds: HoldSeconds = 0
+    drop_reply_probability: Annotated[float, Field(ge=0, le=1)] = 0
+
+
 @message("rp.svc.faults")
 class ServiceFaults(Model):
     """Set or read the faults a service injects into its own messages (shared/faults.py).
@@ -803,6 +814,8 @@ class ServiceFaults(Model):
     hold_acks: HoldAcksFault | None = None
     slow_handler_seconds: Annotated[float, Field(ge=0, le=600)] | None = None
     """Sleep this long before handling a message's first delivery, handled concurrently with the rest."""
+    requests: RequestFault | None = None
+    """Faults on the requests the service answers (not on its stats and faults subjects)."""
     only: Annotated[list[SubjectPrefix], Field(max_length=20)] | None = None
     """Apply the faults only to subjects starting with one of these prefixes; empty: every subject."""
     seed: int | None = None

@@ -34,6 +34,7 @@ from shared.messages import (
     InventoryVmm,
     ReorderFault,
     Reply,
+    RequestFault,
     ServiceFaults,
     SledInventory,
     VmmState,
@@ -613,3 +614,35 @@ async def test_check_finds_a_vmm_without_a_record(rack: Rack) -> None:
         assert await no_zombie_vmms(conn, made_before_the_stop) == []  # type: ignore[arg-type]
         [found] = await no_zombie_vmms(conn, made_after_the_stop)  # type: ignore[arg-type]
     assert f"VMM {live.vmm_id} " in found and "its record ended at" in found
+
+
+async def test_requests_handled_twice_late_or_unanswered(chaos: Rack) -> None:
+    """instance-manager handles each command twice (as a sender's retry would make it), answers late, or
+    not at all (the requester times out and asks again): every command is idempotent or fenced, so the
+    instances end as asked, charged once."""
+    client = chaos.client
+    silo, proj = await new_project(client)
+    before = {k: await injected(client, "instance-manager", k) for k in ("duplicate_request", "delay_reply")}
+    await client.faults(
+        "instance-manager",
+        ServiceFaults(
+            requests=RequestFault(duplicate_probability=1, delay_reply_seconds=0.3),
+            only=[subjects.command(silo, "instance", "")],
+        ),
+    )
+    expected = await churn(client, silo, proj, 3, keep=2)
+    for kind, n in before.items():
+        assert await injected(client, "instance-manager", kind) > n, kind
+    await client.faults("instance-manager", ServiceFaults(requests=RequestFault(drop_reply_probability=1)))
+    client.timeout = 2
+    try:
+        with pytest.raises(CommandError) as e:
+            await client.instance("show", silo, proj, "vm-0")
+    finally:
+        client.timeout = 15
+    assert e.value.code == "timeout"
+    assert await injected(client, "instance-manager", "drop_reply") >= 1
+    await client.clear_faults()
+    assert (await client.instance("show", silo, proj, "vm-0"))["state"] == "running"
+    await usage_is(client, expected, silo, proj)
+    await at_rest_and_clean(chaos)

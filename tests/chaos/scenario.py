@@ -2,10 +2,13 @@
 
 Random operator commands (create, start, stop, migrate, delete, pool picks, sled reboots, one expunge)
 run from a few concurrent workers while faults are injected: message faults in the services' buses (delay,
-duplicate, reorder, drop a first attempt, hold acks), report faults in the simulated sleds, sled
-partitions, kill -9 of any service (restarted a moment later), and restarts of nats-server and of
-PostgreSQL. Then every fault is lifted, the system is left to settle, and the invariant checker must find
-nothing. Every choice comes from one seed, so a run's sequence of operations can be replayed.
+duplicate, reorder, drop a first attempt, hold acks, slow handlers), faults on the requests they answer
+(duplicated, late and dropped replies), held acks and redeliveries of a sled's inventories around its
+reboot, report faults in the simulated sleds, sled partitions, kill -9 of any service (restarted a moment
+later), restarts of nats-server (stopped, or killed with SIGKILL), an outage of the broker longer than its
+dedupe window, and restarts of PostgreSQL. Then every fault is lifted, the system is left to settle, and
+the invariant checker must find nothing. Every choice comes from one seed, so a run's sequence of
+operations can be replayed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from shared.messages import (
     DuplicateFault,
     HoldAcksFault,
     ReorderFault,
+    RequestFault,
     ServiceFaults,
     SimFaults,
     VmmState,
@@ -44,15 +48,18 @@ CHAOS_ENV = {
     "RACKPLANE_ZOMBIE_GRACE": "3",
     "RACKPLANE_SLED_UNKNOWN_AFTER": "3",
     "RACKPLANE_ACK_WAIT": "3",
+    "RACKPLANE_DUPLICATE_WINDOW": "5",  # an outage of the broker can outlast it: the fences must hold then
     "RACKPLANE_LOG": "WARNING",
     "RACKPLANE_TRACES": "none",
 }
 
 WEIGHTS = {
     "create": 14, "start": 20, "stop": 14, "migrate": 8, "delete": 5, "pick": 5,
-    "reboot": 3, "expunge": 1, "partition": 3, "kill": 5, "restart_broker": 1, "restart_database": 1,
-    "sled_faults": 4, "service_faults": 5,
+    "reboot": 3, "expunge": 1, "partition": 3, "kill": 5, "restart_broker": 1, "kill_broker": 1,
+    "long_outage": 1, "restart_database": 1, "sled_faults": 4, "service_faults": 12,
 }  # fmt: skip
+LONG_OUTAGES = 2
+"""At most this many broker outages longer than the dedupe window in one run (each holds the rack still)."""
 
 
 @dataclass
@@ -183,10 +190,34 @@ class Scenario:
         return rng.choice(live)
 
     async def op_reboot(self, rng: random.Random) -> str:
+        """Reboot a sled; half the time with the acks of its inventories held in instance-manager and
+        recovery from a moment before to a moment after, so that inventories of the old boot are
+        redelivered after the new boot's (they must change nothing)."""
         sled = self._sled(rng)
+        if rng.random() < 0.5:
+            return await self._reboot_with_redeliveries(rng, sled)
         await self.client.sim_sled("reboot", sled)
         self.report.faults["sled_reboot"] += 1
         return sled
+
+    async def _reboot_with_redeliveries(self, rng: random.Random, sled: str) -> str:
+        held = ServiceFaults(
+            hold_acks=HoldAcksFault(probability=0.6),
+            only=[f"rp.sled.{sled}.report.inventory"],
+            seed=rng.randint(0, 2**31),
+        )
+        services = ("instance-manager", "recovery")
+        before = {s: await self._injected(s) for s in services}
+        for s in services:
+            await self.client.faults(s, held)
+        await asyncio.sleep(rng.uniform(1, 3))
+        await self.client.sim_sled("reboot", sled)
+        self.report.faults["sled_reboot"] += 1
+        await asyncio.sleep(rng.uniform(2, 5))
+        for s in services:
+            self.report.faults[f"inventory hold_acks ({s})"] += max(await self._injected(s) - before[s], 0)
+            await self.client.faults(s, ServiceFaults(clear=True))
+        return f"{sled}, its inventories redelivered"
 
     async def op_expunge(self, rng: random.Random) -> str:
         if self.expunged:
@@ -230,8 +261,18 @@ class Scenario:
 
     async def op_service_faults(self, rng: random.Random) -> str:
         service = rng.choice(["instance-manager", "accounting", "recovery", "sled-agent"])
-        kind = rng.choice(["delay", "duplicate", "reorder", "drop_first_attempt", "hold_acks"])
+        kinds = ["delay", "duplicate", "reorder", "drop_first_attempt", "hold_acks", "slow_handler"]
+        kinds += ["requests"] * (service in ("instance-manager", "accounting"))
+        kind = rng.choice(kinds)
         body = {
+            "slow_handler": ServiceFaults(slow_handler_seconds=rng.uniform(1, 6)),  # a lagging consumer
+            "requests": ServiceFaults(
+                requests=RequestFault(
+                    duplicate_probability=0.3,
+                    delay_reply_seconds=rng.uniform(0, 2),
+                    drop_reply_probability=0.1,
+                )
+            ),
             "delay": ServiceFaults(delay=DelayFault(min_seconds=0.05, max_seconds=rng.uniform(0.1, 1))),
             "duplicate": ServiceFaults(
                 duplicate=DuplicateFault(copies=rng.randint(1, 3), bypass_dedupe=True)
@@ -260,6 +301,30 @@ class Scenario:
             await asyncio.sleep(rng.uniform(0.2, 2))
             self.stack.start_service(name)
         return name
+
+    async def op_kill_broker(self, rng: random.Random) -> str:
+        """nats-server killed with SIGKILL (no shutdown: whatever it had not written is lost to it)."""
+        assert self.stack.nats is not None
+        async with self._infra:
+            await asyncio.to_thread(self.stack.nats.kill)
+            await asyncio.sleep(rng.uniform(0.2, 1.5))
+            await asyncio.to_thread(self.stack.nats.start)
+        self.report.faults["broker_kill -9"] += 1
+        return "nats-server"
+
+    async def op_long_outage(self, rng: random.Random) -> str:
+        """The broker away for longer than its dedupe window: what the senders resend after it is back is
+        no longer recognised by the broker, only by the receivers' own fences."""
+        assert self.stack.nats is not None
+        if self.report.faults["broker outage past the dedupe window"] >= LONG_OUTAGES:
+            return "(enough long outages this run)"
+        window = float(CHAOS_ENV["RACKPLANE_DUPLICATE_WINDOW"])
+        async with self._infra:
+            await asyncio.to_thread(self.stack.nats.kill)
+            await asyncio.sleep(window + rng.uniform(1, 3))
+            await asyncio.to_thread(self.stack.nats.start)
+        self.report.faults["broker outage past the dedupe window"] += 1
+        return "nats-server"
 
     async def op_restart_broker(self, rng: random.Random) -> str:
         assert self.stack.nats is not None
