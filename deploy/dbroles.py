@@ -15,6 +15,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
 
+from shared.config import DB_LOGINS
 from shared.db import owner_role
 
 SQL = Path(__file__).parent / "sql"
@@ -25,7 +26,7 @@ _VAR = re.compile(r""":(["'])(\w+)\1""")
 
 
 def secrets_dir(stack_dir: Path) -> Path:
-    return stack_dir / "secrets" / "db"
+    return stack_dir / DB_LOGINS
 
 
 def new_password() -> str:
