@@ -79,9 +79,7 @@ async def provision(admin_url: str, stack_dir: Path) -> dict[str, str]:
     try:
         async with conn.transaction():
             checker_pw = new_password()
-            await _apply(
-                conn, render(SQL / "roles_common.sql", checker=CHECKER, checker_password=checker_pw)
-            )
+            await _apply(conn, render(SQL / "roles_common.sql", checker=CHECKER, checker_password=checker_pw))
             urls["check"] = with_login(admin_url, CHECKER, checker_pw)
             for schema in SCHEMAS:
                 pw = new_password()

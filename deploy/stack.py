@@ -327,7 +327,7 @@ class Stack:
     dir: Path
     nats_url: str | None = None
     database_url: str | None = None
-    """The read-only role of `rackctl check` (or DATABASE_URL as given): what tests read across schemas with."""
+    """The read-only role of `rackctl check` (or DATABASE_URL as given): for reading across schemas."""
     env: dict[str, str] = field(default_factory=dict)
     admin_database_url: str | None = None
     """The superuser's: only deploy, and tests that write into a service's tables on purpose, use it."""

@@ -112,7 +112,8 @@ async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path) -> list[str]:
 
 
 _CAN_BECOME = (
-    "SELECT CASE WHEN to_regrole($1::text) IS NULL THEN false ELSE pg_has_role(current_user, $1::name, 'MEMBER') END"
+    "SELECT CASE WHEN to_regrole($1::text) IS NULL THEN false "
+    "ELSE pg_has_role(current_user, $1::name, 'MEMBER') END"
 )
 
 

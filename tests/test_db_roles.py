@@ -41,7 +41,7 @@ async def test_a_service_cannot_read_or_write_another_services_schema(
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)
-async def test_a_service_has_dml_on_its_own_schema_and_ddl_only_as_its_owner(stack: Stack, schema: str) -> None:
+async def test_a_service_has_dml_on_its_own_schema_and_ddl_as_its_owner(stack: Stack, schema: str) -> None:
     conn = await connect(stack.service_database_urls[schema])
     try:
         async with conn.transaction():
