@@ -60,6 +60,15 @@ class Conflict(CommandError):
         super().__init__("conflict", message)
 
 
+class Reject(Exception):
+    """Raised by a stream handler for a message that must never be applied (a forgery, say): it is
+    dead-lettered at once with the reason, and nothing it carried is applied."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Retry(Exception):
     """Raised by a stream handler when the message cannot be applied yet (it is redelivered later)."""
 
@@ -233,6 +242,9 @@ class Consumer:
                 if FAULTS.active:
                     await FAULTS.before_handler(msg)
                 await self.handler(env, body, msg)
+        except Reject as r:
+            await self._dead_letter(msg, r.reason)
+            return
         except Retry as r:
             telemetry.count(f"{self.durable}.retried")
             await _settle(msg.nak(delay=r.delay))

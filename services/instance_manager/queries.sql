@@ -265,3 +265,12 @@ ON CONFLICT (id) DO NOTHING;
 
 -- name: instance_target
 SELECT target_vmm_id FROM instances WHERE id = $1;
+
+-- name: charge_pending
+-- Before a delta is sent (a resend of one already answered adds nothing).
+INSERT INTO pending_charges (instance_id, generation)
+SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM charge_outcomes WHERE instance_id = $1 AND generation = $2)
+ON CONFLICT DO NOTHING;
+
+-- name: charge_answered
+DELETE FROM pending_charges WHERE instance_id = $1 AND generation = $2 RETURNING 1;
