@@ -7,11 +7,14 @@ hands each service its own as DATABASE_URL, and `rackctl check` finds the checke
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
+import pwd
 import re
 import secrets
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import asyncpg
 
@@ -71,18 +74,29 @@ def with_login(url: str, user: str, password: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-async def provision(admin_url: str, stack_dir: Path) -> dict[str, str]:
-    """Create or update every role (new passwords each time), and return each login's URL by role:
-    the service names of SCHEMAS, and "check"."""
+async def provision(
+    admin_url: str, logins: Path, owner: str | None = None, *, keep: bool = False
+) -> dict[str, str]:
+    """Create or update every role, write each login's URL to `logins` (owned by the user `owner`, if
+    given), and return them by role: the service names of SCHEMAS, and "check". Every call sets new
+    passwords, unless `keep` says to keep those already written (compose: running services keep theirs).
+    """
     urls: dict[str, str] = {}
+
+    def password(role: str) -> str:
+        path = logins / f"{role}.url"
+        if keep and path.exists() and (old := urlsplit(path.read_text().strip()).password):
+            return unquote(old)
+        return new_password()
+
     conn = await asyncpg.connect(admin_url)
     try:
         async with conn.transaction():
-            checker_pw = new_password()
+            checker_pw = password("check")
             await _apply(conn, render(SQL / "roles_common.sql", checker=CHECKER, checker_password=checker_pw))
             urls["check"] = with_login(admin_url, CHECKER, checker_pw)
             for schema in SCHEMAS:
-                pw = new_password()
+                pw = password(schema)
                 await _apply(
                     conn,
                     render(
@@ -97,22 +111,47 @@ async def provision(admin_url: str, stack_dir: Path) -> dict[str, str]:
                 urls[schema] = with_login(admin_url, schema, pw)
     finally:
         await conn.close()
-    write_urls(stack_dir, urls)
+    folder_mode = 0o700 if owner is None else 0o755  # compose: the folder is a volume other users mount
+    for role, url in urls.items():
+        write_secret(logins / f"{role}.url", url, owner, folder_mode)
     return urls
 
 
-def write_urls(stack_dir: Path, urls: dict[str, str]) -> None:
-    folder = secrets_dir(stack_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
-    for role, url in urls.items():
-        path = folder / f"{role}.url"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(url + "\n")
-        os.chmod(path, 0o600)
+def write_secret(path: Path, value: str, owner: str | int | None = None, folder_mode: int = 0o700) -> None:
+    """Write `value` to `path`, readable by its owner only (`owner`, a user name or uid, if given)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, folder_mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.chmod(path, 0o600)
+    if owner is not None:
+        uid = owner if isinstance(owner, int) else pwd.getpwnam(owner).pw_uid
+        os.chown(path, uid, -1)
 
 
-def read_url(stack_dir: Path, role: str) -> str | None:
-    path = secrets_dir(stack_dir) / f"{role}.url"
-    return path.read_text().strip() if path.exists() else None
+# --- docker-compose.yml: the same roles, with the logins on a volume --------------------------------------
+
+PG_IMAGE_UID = 999
+"""The user the official postgres image runs as: it reads the superuser's password file at first start."""
+
+
+def _compose(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m deploy.dbroles", description=__doc__)
+    parser.add_argument("step", choices=["secrets", "apply"])
+    parser.add_argument("--dir", type=Path, default=Path("/run/rackplane/db"))
+    parser.add_argument("--host", default="postgres")
+    parser.add_argument("--database", default="rackplane")
+    parser.add_argument("--owner", default="rackplane", help="the user the services run as")
+    a = parser.parse_args(argv)
+    superuser = a.dir / "postgres.password"
+    if a.step == "secrets":  # before PostgreSQL's first start: its superuser's password, made once
+        if not superuser.exists():
+            write_secret(superuser, new_password(), PG_IMAGE_UID, 0o755)
+        return
+    admin = with_login(f"postgresql://{a.host}:5432/{a.database}", "postgres", superuser.read_text().strip())
+    asyncio.run(provision(admin, a.dir, a.owner, keep=True))
+
+
+if __name__ == "__main__":
+    _compose()

@@ -349,7 +349,9 @@ class Stack:
                 self.dir / "pg", port=int(self.env.get("RACKPLANE_PG_PORT", 0)) or free_port()
             ).start()
             self.admin_database_url = self.postgres.url
-            self.service_database_urls = run_sync(dbroles.provision(self.postgres.url, self.dir))
+            self.service_database_urls = run_sync(
+                dbroles.provision(self.postgres.url, dbroles.secrets_dir(self.dir))
+            )
             self.database_url = self.service_database_urls.pop("check")
         elif self.admin_database_url is None:  # given: used as it is, for everything
             self.admin_database_url = self.database_url

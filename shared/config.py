@@ -36,9 +36,17 @@ class Settings:
     def from_env(cls) -> Settings:
         return cls(
             nats_url=os.environ.get("NATS_URL", DEFAULT_NATS_URL),
-            database_url=os.environ.get("DATABASE_URL", DEFAULT_DATABASE_URL),
+            database_url=os.environ.get("DATABASE_URL")
+            or _from_file("DATABASE_URL_FILE")
+            or DEFAULT_DATABASE_URL,
             log_level=os.environ.get("RACKPLANE_LOG", "INFO"),
         )
+
+
+def _from_file(name: str) -> str | None:
+    """A secret given as a file (docker-compose.yml's database logins), named by the variable `name`."""
+    path = os.environ.get(name)
+    return Path(path).read_text().strip() if path else None
 
 
 def env_float(name: str, default: float) -> float:
