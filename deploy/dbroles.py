@@ -58,7 +58,8 @@ def render(path: Path, **values: str) -> list[str]:
 async def _apply(conn: asyncpg.Connection, statements: list[str]) -> None:
     for stmt in statements:
         try:
-            await conn.execute(stmt)
+            async with conn.transaction():  # a savepoint: a role that exists fails alone
+                await conn.execute(stmt)
         except asyncpg.DuplicateObjectError:
             if not stmt.startswith("CREATE ROLE"):  # a role made by an earlier start: altered next
                 raise
@@ -141,6 +142,7 @@ def _compose(argv: list[str] | None = None) -> None:
     parser.add_argument("step", choices=["secrets", "apply"])
     parser.add_argument("--dir", type=Path, default=Path("/run/rackplane/db"))
     parser.add_argument("--host", default="postgres")
+    parser.add_argument("--port", type=int, default=5432)
     parser.add_argument("--database", default="rackplane")
     parser.add_argument("--owner", default="rackplane", help="the user the services run as")
     a = parser.parse_args(argv)
@@ -149,7 +151,9 @@ def _compose(argv: list[str] | None = None) -> None:
         if not superuser.exists():
             write_secret(superuser, new_password(), PG_IMAGE_UID, 0o755)
         return
-    admin = with_login(f"postgresql://{a.host}:5432/{a.database}", "postgres", superuser.read_text().strip())
+    admin = with_login(
+        f"postgresql://{a.host}:{a.port}/{a.database}", "postgres", superuser.read_text().strip()
+    )
     asyncio.run(provision(admin, a.dir, a.owner, keep=True))
 
 

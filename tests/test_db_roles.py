@@ -6,6 +6,9 @@ superuser, and only an owner creates anything.
 from __future__ import annotations
 
 import itertools
+import os
+import pwd
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -138,3 +141,37 @@ async def test_a_wrong_password_is_refused(stack: Stack) -> None:
     assert stack.database_url is not None
     with pytest.raises(asyncpg.InvalidPasswordError):
         await connect(with_login(stack.database_url, "accounting", "guessed"))
+
+
+def test_the_compose_steps_make_logins_that_survive_a_second_up(tmp_path: Path) -> None:
+    """deploy/dbroles.py as docker-compose.yml runs it: `secrets` once, then `apply` at every `up`, which
+    keeps the passwords already written (running services keep working)."""
+    from deploy.dbroles import _compose
+    from deploy.stack import SUPERUSER_PASSWORD, Postgres, run_sync
+
+    pg = Postgres(tmp_path / "pg").start()
+    try:
+        logins = tmp_path / "logins"
+        logins.mkdir()
+        (logins / "postgres.password").write_text((pg.data / SUPERUSER_PASSWORD).read_text())
+        me = pwd.getpwuid(os.getuid()).pw_name
+        args = ["apply", "--dir", str(logins), "--host", "127.0.0.1", "--port", str(pg.port), "--owner", me]
+        _compose(args)
+        first = {p.name: p.read_text() for p in logins.glob("*.url")}
+        assert set(first) == {f"{s}.url" for s in SCHEMAS} | {"check.url"}
+        _compose(args)
+        assert {p.name: p.read_text() for p in logins.glob("*.url")} == first
+        assert all((logins / name).stat().st_mode & 0o777 == 0o600 for name in first)
+
+        async def whoami(url: str) -> str:
+            conn = await asyncpg.connect(url)
+            try:
+                return await conn.fetchval("SELECT current_user")
+            finally:
+                await conn.close()
+
+        for name, url in first.items():
+            expected = "rackplane_check" if name == "check.url" else name.removesuffix(".url")
+            assert run_sync(whoami(url.strip())) == expected
+    finally:
+        pg.stop()
