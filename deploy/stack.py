@@ -156,7 +156,13 @@ class Postgres:
         return self._url(self.database)
 
     def _url(self, database: str) -> str:
-        password = quote((self.data / SUPERUSER_PASSWORD).read_text().strip(), safe="")
+        secret = self.data / SUPERUSER_PASSWORD
+        if not secret.exists():
+            raise RuntimeError(
+                f"{self.data} has no superuser password (made without password authentication): remove "
+                f"{self.dir} (`make clean`) to start afresh"
+            )
+        password = quote(secret.read_text().strip(), safe="")
         return f"postgresql://postgres:{password}@127.0.0.1:{self.port}/{database}"
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
