@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -25,14 +26,19 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import asyncpg
 import nats
+
+from deploy import dbroles
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("sled_agent", "instance_manager", "accounting", "recovery")
 PG_USER = "nobody"
+SUPERUSER_PASSWORD = "rackplane-superuser.pw"
+"""In a cluster's data folder: the password initdb gave the superuser (copied with a template cluster)."""
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -146,7 +152,18 @@ class Postgres:
 
     @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+        """The superuser's: for deploy (roles, the database) and for tests that write on purpose."""
+        return self._url(self.database)
+
+    def _url(self, database: str) -> str:
+        secret = self.data / SUPERUSER_PASSWORD
+        if not secret.exists():
+            raise RuntimeError(
+                f"{self.data} has no superuser password (made without password authentication): remove "
+                f"{self.dir} (`make clean`) to start afresh"
+            )
+        password = quote(secret.read_text().strip(), safe="")
+        return f"postgresql://postgres:{password}@127.0.0.1:{self.port}/{database}"
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
         kw: dict[str, object] = {}
@@ -195,9 +212,26 @@ class Postgres:
         return self
 
     def _initdb(self, data: Path) -> None:
+        """A cluster with password (SCRAM-SHA-256) authentication only; the superuser's password is kept
+        in the data folder (whoever can read that folder has the data anyway)."""
+        pwfile = data.with_name(f".{data.name}.pw")
+        fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24) + "\n")
+        _hand_to_postgres(pwfile)
         self._run(
-            pg_binary("initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"
+            pg_binary("initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "postgres",
+            "--auth=scram-sha-256",
+            f"--pwfile={pwfile}",
+            "-E",
+            "UTF8",
+            "--no-sync",
         )
+        os.replace(pwfile, data / SUPERUSER_PASSWORD)
 
     def _copy_template(self, template: Path) -> None:
         """Copy the template cluster (made here first if missing; a rename publishes it whole, so that
@@ -213,7 +247,7 @@ class Postgres:
         self._run("cp", "-a", str(template), str(self.data))
 
     async def _create_database(self) -> None:
-        conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres")
+        conn = await asyncpg.connect(self._url("postgres"))
         try:
             if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", self.database):
                 await conn.execute(f'CREATE DATABASE "{self.database}"')
@@ -299,7 +333,12 @@ class Stack:
     dir: Path
     nats_url: str | None = None
     database_url: str | None = None
+    """The read-only role of `rackctl check` (or DATABASE_URL as given): for reading across schemas."""
     env: dict[str, str] = field(default_factory=dict)
+    admin_database_url: str | None = None
+    """The superuser's: only deploy, and tests that write into a service's tables on purpose, use it."""
+    service_database_urls: dict[str, str] = field(default_factory=dict)
+    """Each service's own login (deploy/dbroles.py); a service missing here gets `database_url`."""
     nats: Nats | None = None
     postgres: Postgres | None = None
     services: dict[str, Service] = field(default_factory=dict)
@@ -315,16 +354,22 @@ class Stack:
             self.postgres = Postgres(
                 self.dir / "pg", port=int(self.env.get("RACKPLANE_PG_PORT", 0)) or free_port()
             ).start()
-            self.database_url = self.postgres.url
+            self.admin_database_url = self.postgres.url
+            self.service_database_urls = run_sync(
+                dbroles.provision(self.postgres.url, dbroles.secrets_dir(self.dir))
+            )
+            self.database_url = self.service_database_urls.pop("check")
+        elif self.admin_database_url is None:  # given: used as it is, for everything
+            self.admin_database_url = self.database_url
 
-    def service_env(self) -> dict[str, str]:
+    def service_env(self, name: str | None = None) -> dict[str, str]:
         assert self.nats_url and self.database_url
         return {
             **os.environ,
             "RACKPLANE_SIM_STATE": str(self.dir / "sim"),  # sleds outlive a restart of the simulator
             **self.env,
             "NATS_URL": self.nats_url,
-            "DATABASE_URL": self.database_url,
+            "DATABASE_URL": self.service_database_urls.get(name or "", self.database_url),
             "PYTHONPATH": str(ROOT),
             "PYTHONUNBUFFERED": "1",
         }
@@ -332,7 +377,7 @@ class Stack:
     def start_service(self, name: str, replica: str | None = None) -> Service:
         """Start a service; `replica` names a second (third...) process of the same service."""
         key = replica or name
-        svc = Service(name, self.service_env(), self.dir / f"{key}.log").start()
+        svc = Service(name, self.service_env(name), self.dir / f"{key}.log").start()
         self.services[key] = svc
         return svc
 
@@ -414,7 +459,11 @@ def main() -> None:
         stack.start()
         print(f"rackplane is running (state and logs in {args.dir})")
         print(f"  NATS      {stack.nats_url}{'' if stack.nats else '  (from NATS_URL)'}")
-        print(f"  Postgres  {stack.database_url}{'' if stack.postgres else '  (from DATABASE_URL)'}")
+        if stack.postgres:
+            where = dbroles.secrets_dir(args.dir)
+            print(f"  Postgres  127.0.0.1:{stack.postgres.port}  (one role per service; logins in {where})")
+        else:
+            print("  Postgres  from DATABASE_URL")
         for name, svc in stack.services.items():
             print(f"  {name:<17} pid {svc.proc.pid if svc.proc else '-'}, log {svc.log_path}")
         print(f"Try: NATS_URL={stack.nats_url} .venv/bin/rackctl sled list    (Ctrl-C stops everything)")

@@ -35,7 +35,7 @@ from rackctl.client import Client
 from rackctl.output import Progress, TableStream, print_fields, print_json, print_table
 from rackctl.sizes import format_size, parse_size
 from shared import bus, subjects, telemetry
-from shared.config import DEFAULT_DATABASE_URL, DEFAULT_NATS_URL
+from shared.config import DEFAULT_NATS_URL, check_database_url
 from shared.messages import (
     NAME_PATTERN,
     AutoRestart,
@@ -1138,8 +1138,9 @@ def _check_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--database-url",
         metavar="URL",
-        default=os.environ.get("DATABASE_URL") or DEFAULT_DATABASE_URL,
-        help=f"the database (default: $DATABASE_URL, else {DEFAULT_DATABASE_URL})",
+        default=None,
+        help="the database (default: $DATABASE_URL, else the read-only login `make run` wrote under "
+        "$RACKPLANE_HOME, default .rackplane)",
     )
     p.add_argument(
         "--at-rest",
@@ -1161,7 +1162,7 @@ async def check_invariants(ctx: Ctx) -> None:
     a = ctx.args
     within = min(CONNECT_TIMEOUT, a.timeout)
     try:
-        conn = await asyncio.wait_for(asyncpg.connect(a.database_url), within)
+        conn = await asyncio.wait_for(asyncpg.connect(a.database_url or check_database_url()), within)
     except TimeoutError:
         raise ConnectionError(f"cannot reach the database within {within:g}s") from None
     except (OSError, asyncpg.PostgresError) as e:

@@ -60,9 +60,9 @@ class Conflict(CommandError):
         super().__init__("conflict", message)
 
 
-class Refuse(Exception):
-    """Raised by a stream handler for a message that must never be applied (it claims what its sender
-    may not claim): the message is dead-lettered with `reason`, and nothing it asked for happens."""
+class Reject(Exception):
+    """Raised by a stream handler for a message that must never be applied (a forgery, or a claim its
+    sender may not make): it is dead-lettered at once with the reason, and nothing it carried is applied."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -242,12 +242,12 @@ class Consumer:
                 if FAULTS.active:
                     await FAULTS.before_handler(msg)
                 await self.handler(env, body, msg)
+        except Reject as r:
+            await self._dead_letter(msg, r.reason)
+            return
         except Retry as r:
             telemetry.count(f"{self.durable}.retried")
             await _settle(msg.nak(delay=r.delay))
-            return
-        except Refuse as r:
-            await self._dead_letter(msg, r.reason)
             return
         except asyncio.CancelledError:
             raise

@@ -5,9 +5,25 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5433/rackplane"
+DB_LOGINS = Path("secrets") / "db"
+"""Under a stack's folder: one `<role>.url` file (mode 0600) per database login (deploy/dbroles.py)."""
+
+
+def rackplane_home() -> Path:
+    """Where `make run` keeps its state, logs and credentials."""
+    return Path(os.environ.get("RACKPLANE_HOME") or Path(__file__).resolve().parent.parent / ".rackplane")
+
+
+def check_database_url() -> str:
+    """The database for `rackctl check`: $DATABASE_URL, else the read-only login `make run` wrote."""
+    if url := os.environ.get("DATABASE_URL"):
+        return url
+    path = rackplane_home() / DB_LOGINS / "check.url"
+    return path.read_text().strip() if path.exists() else DEFAULT_DATABASE_URL
 
 
 @dataclass(frozen=True)
@@ -20,9 +36,17 @@ class Settings:
     def from_env(cls) -> Settings:
         return cls(
             nats_url=os.environ.get("NATS_URL", DEFAULT_NATS_URL),
-            database_url=os.environ.get("DATABASE_URL", DEFAULT_DATABASE_URL),
+            database_url=os.environ.get("DATABASE_URL")
+            or _from_file("DATABASE_URL_FILE")
+            or DEFAULT_DATABASE_URL,
             log_level=os.environ.get("RACKPLANE_LOG", "INFO"),
         )
+
+
+def _from_file(name: str) -> str | None:
+    """A secret given as a file (docker-compose.yml's database logins), named by the variable `name`."""
+    path = os.environ.get(name)
+    return Path(path).read_text().strip() if path else None
 
 
 def env_float(name: str, default: float) -> float:

@@ -55,7 +55,10 @@ async def create_pool(dsn: str, schema: str, *, min_size: int = 0, max_size: int
                 raise ConnectionError(f"cannot reach postgres: {e}") from e
             await asyncio.sleep(0.25)
     try:
-        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        # Made by deploy/sql/roles_service.sql where roles are in force (the service's role cannot create
+        # schemas); made here only for a database given with rights to do so.
+        if not await conn.fetchval("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", schema):
+            await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
     except asyncpg.UniqueViolationError:
         pass  # two services creating their schemas at once
     finally:
@@ -75,7 +78,9 @@ async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path) -> list[str]:
     """Apply the NNN_*.sql files of `dirs` not yet applied to `schema`, each in its own transaction.
 
     The shared outbox migration comes first. An advisory lock per schema lets several replicas start at
-    once. Returns the names applied now.
+    once. Where the schema's owner role exists (deploy/sql/roles_service.sql), they run as it (`SET ROLE`),
+    so that the owner owns every table and the service's own role keeps only DML. Returns the names
+    applied now.
     """
     files = sorted(SHARED_SQL.glob("[0-9][0-9][0-9]_*.sql"), key=lambda p: p.name)
     for d in dirs:
@@ -83,6 +88,9 @@ async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path) -> list[str]:
     applied_now: list[str] = []
     async with pool.acquire() as conn:
         await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"migrate:{schema}")
+        owner = owner_role(schema)
+        if await conn.fetchval(_CAN_BECOME, owner):
+            await conn.execute(f'SET ROLE "{owner}"')
         try:
             await conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations "
@@ -98,8 +106,20 @@ async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path) -> list[str]:
                     await conn.execute("INSERT INTO schema_migrations (name) VALUES ($1)", name)
                 applied_now.append(name)
         finally:
+            await conn.execute("RESET ROLE")
             await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", f"migrate:{schema}")
     return applied_now
+
+
+_CAN_BECOME = (
+    "SELECT CASE WHEN to_regrole($1::text) IS NULL THEN false "
+    "ELSE pg_has_role(current_user, $1::name, 'MEMBER') END"
+)
+
+
+def owner_role(schema: str) -> str:
+    """The NOLOGIN role that owns `schema` and runs its migrations (deploy/sql/roles_service.sql)."""
+    return f"{schema}_owner"
 
 
 # --- transactional outbox ------------------------------------------------------------------------------

@@ -18,8 +18,26 @@ NAME_PATTERN = r"^[a-z][a-z0-9-]{0,62}$"
 """Silo, project, instance and pool names: safe as NATS subject tokens and as path segments."""
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
-PositiveInt = Annotated[int, Field(gt=0, le=2**50)]
-NonNegativeInt = Annotated[int, Field(ge=0, le=2**62)]
+
+# Limits: every amount a message carries is bounded here, and only here, so that no total can overflow a
+# bigint: the largest charge is far below MAX_TOTAL, and accounting refuses a charge that would take the
+# fleet's total past MAX_TOTAL (half of the bigint range, so that concurrent charges cannot overshoot it).
+MAX_INSTANCE_VCPUS = 256
+MAX_INSTANCE_RAM_BYTES = 2**44  # 16 TiB
+MAX_DISK_BYTES = 2**46  # 64 TiB
+MAX_SLED_VCPUS = 4096
+MAX_SLED_RAM_BYTES = 2**46  # 64 TiB
+MAX_TOTAL = 2**62
+"""The most a total (fleet, silo, project) or a quota may hold."""
+
+InstanceVcpus = Annotated[int, Field(ge=1, le=MAX_INSTANCE_VCPUS)]
+InstanceRam = Annotated[int, Field(ge=1, le=MAX_INSTANCE_RAM_BYTES)]
+SledVcpus = Annotated[int, Field(ge=1, le=MAX_SLED_VCPUS)]
+SledRam = Annotated[int, Field(ge=1, le=MAX_SLED_RAM_BYTES)]
+ChargedVcpus = Annotated[int, Field(ge=0, le=MAX_INSTANCE_VCPUS)]
+ChargedRam = Annotated[int, Field(ge=0, le=MAX_INSTANCE_RAM_BYTES)]
+ChargedDisk = Annotated[int, Field(ge=0, le=MAX_DISK_BYTES)]
+QuotaAmount = Annotated[int, Field(ge=0, le=MAX_TOTAL)]
 Generation = Annotated[int, Field(ge=1, le=2**62)]
 BootNumber = Annotated[int, Field(ge=1, le=2**62)]
 """A sled's boot counter: it only grows, by one at every reboot, and survives restarts of the agent."""
@@ -199,8 +217,8 @@ class VmmEnsure(Model):
 
     vmm_id: uuid.UUID
     instance_id: uuid.UUID
-    vcpus: PositiveInt
-    ram_bytes: PositiveInt
+    vcpus: InstanceVcpus
+    ram_bytes: InstanceRam
     boot_number: BootNumber | None = None
     """The sled's boot when the VMM was placed: a sled on a later boot fails the VMM at once."""
     migrate_from: MigrationSource | None = None
@@ -262,8 +280,8 @@ class SledInventory(Model):
     boot_id: uuid.UUID
     boot_number: BootNumber
     seq: Sequence
-    vcpus: PositiveInt
-    ram_bytes: PositiveInt
+    vcpus: SledVcpus
+    ram_bytes: SledRam
     vmms: list[InventoryVmm]
 
 
@@ -282,9 +300,9 @@ class ProvisionDelta(Model):
     project_id: uuid.UUID
     silo_id: uuid.UUID
     generation: Generation
-    vcpus: NonNegativeInt
-    ram_bytes: NonNegativeInt
-    disk_bytes: NonNegativeInt
+    vcpus: ChargedVcpus
+    ram_bytes: ChargedRam
+    disk_bytes: ChargedDisk
 
 
 class Outcome(StrEnum):
@@ -319,9 +337,9 @@ class UsageChanged(Event):
 
 
 class Quota(Model):
-    vcpus: NonNegativeInt | None = None
-    ram_bytes: NonNegativeInt | None = None
-    disk_bytes: NonNegativeInt | None = None
+    vcpus: QuotaAmount | None = None
+    ram_bytes: QuotaAmount | None = None
+    disk_bytes: QuotaAmount | None = None
 
 
 @message("rp.evt.silo.created")
@@ -443,9 +461,9 @@ class InstanceRef(Model):
     name: Name
 
 
-Vcpus = Annotated[int, Field(ge=1, le=256)]
-RamBytes = Annotated[int, Field(ge=2**20, le=2**44)]
-DiskBytes = Annotated[int, Field(ge=2**20, le=2**46)]
+Vcpus = Annotated[int, Field(ge=1, le=MAX_INSTANCE_VCPUS)]
+RamBytes = Annotated[int, Field(ge=2**20, le=MAX_INSTANCE_RAM_BYTES)]
+DiskBytes = Annotated[int, Field(ge=2**20, le=MAX_DISK_BYTES)]
 
 
 @message("rp.cmd.instance.create")
@@ -723,8 +741,8 @@ class SimSledRemove(SimSledRef):
 
 @message("rp.sim.sled.add")
 class SimSledAdd(Model):
-    vcpus: Annotated[int, Field(ge=1, le=4096)] = 64
-    ram_bytes: Annotated[int, Field(ge=2**30, le=2**46)] = 256 * 2**30
+    vcpus: Annotated[int, Field(ge=1, le=MAX_SLED_VCPUS)] = 64
+    ram_bytes: Annotated[int, Field(ge=2**30, le=MAX_SLED_RAM_BYTES)] = 256 * 2**30
 
 
 class Reply(BaseModel):

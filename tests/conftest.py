@@ -109,7 +109,8 @@ async def client(stack: Stack) -> AsyncIterator[Client]:
 
 @pytest.fixture(scope="session")
 async def db(stack: Stack) -> AsyncIterator[asyncpg.Pool]:
-    """Direct database access, for tests that check invariants across services' tables."""
+    """Direct database access, for tests that check invariants across services' tables: as `rackctl
+    check`'s read-only role (a test that writes on purpose connects with `stack.admin_database_url`)."""
     pool = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
     assert pool is not None
     yield pool

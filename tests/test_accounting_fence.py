@@ -119,7 +119,8 @@ async def test_concurrent_applications_of_one_charge_serialize(
         ram_bytes=GiB,
         disk_bytes=GiB,
     )
-    pool = await create_pool(stack.database_url, "accounting", min_size=10, max_size=10)
+    dsn = stack.service_database_urls["accounting"]  # accounting's own role, as the service would
+    pool = await create_pool(dsn, "accounting", min_size=10, max_size=10)
     try:
         async with pool.acquire() as conn, conn.transaction():  # the instance exists, with its disk
             await apply_delta(

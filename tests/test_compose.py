@@ -24,6 +24,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from deploy import dbroles
 from deploy.stack import SERVICES, free_port, nats_server_binary, port_open, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,28 +123,29 @@ def test_service_reaches_nats_and_postgres_by_service_name(compose: dict[str, An
     assert nats_url.port == int(nats_conf_value("listen").rsplit(":", 1)[1])
     assert "nats" in deps
 
-    # A service with migrations keeps state in PostgreSQL (shared/db.py): it needs DATABASE_URL.
+    # A service with migrations keeps state in PostgreSQL (shared/db.py): it reads its own login (never
+    # the superuser's), written by db-roles (deploy/dbroles.py) on a volume it mounts.
     uses_postgres = (ROOT / "services" / module / "migrations").is_dir()
+    assert "DATABASE_URL" not in env, f"{compose_name(module)}: a login is not written into the compose file"
     if uses_postgres:
-        assert "DATABASE_URL" in env, f"{compose_name(module)} keeps state in PostgreSQL: no DATABASE_URL"
-    if "DATABASE_URL" in env:
-        db = urlsplit(env["DATABASE_URL"])
-        pg = services["postgres"]
-        pg_env = environment_of(pg)
-        assert db.scheme in ("postgresql", "postgres")
-        assert db.hostname == "postgres"
-        assert db.port in (None, 5432)
-        assert db.path == f"/{pg_env.get('POSTGRES_DB', db.username)}"
-        assert db.username == pg_env.get("POSTGRES_USER", "postgres")
-        if db.password is None:
-            assert pg_env.get("POSTGRES_HOST_AUTH_METHOD") == "trust", "no password, but postgres wants one"
-        else:
-            assert db.password == pg_env.get("POSTGRES_PASSWORD")
+        path = env.get("DATABASE_URL_FILE")
+        assert path == f"/run/rackplane/db/{module}.url", f"{compose_name(module)} reads no login of its own"
+        roles = services["db-roles"]
+        assert command_of(roles) == ["python", "-m", "deploy.dbroles", "apply"]
+        assert module in dbroles.SCHEMAS
+        volume = {t: s for k, s, t in mounts(roles) if k == "volume"}["/run/rackplane/db"]
+        assert ("volume", volume, "/run/rackplane/db") in mounts(svc)
+        assert deps.get("db-roles") == "service_completed_successfully"
         assert "postgres" in deps
+        pg_env = environment_of(services["postgres"])
+        assert pg_env.get("POSTGRES_HOST_AUTH_METHOD") == "scram-sha-256"
+        assert "--auth=scram-sha-256" in pg_env.get("POSTGRES_INITDB_ARGS", "")
 
     for dep, condition in deps.items():
         assert dep in services, f"{compose_name(module)} depends on unknown service {dep}"
-        if "healthcheck" in services[dep]:
+        if dep in ("db-secrets", "db-roles"):
+            assert condition == "service_completed_successfully"
+        elif "healthcheck" in services[dep]:
             assert condition == "service_healthy", (
                 f"{compose_name(module)} should wait for {dep} to be healthy"
             )

@@ -69,6 +69,21 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         while len(sleds()) < 8 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(sleds()) == 8
+
+        # The database logins are the stack's own, readable by its user only; `rackctl check` finds its
+        # read-only one there without being told.
+        logins = home / "secrets" / "db"
+        assert logins.stat().st_mode & 0o777 == 0o700
+        for role in ("instance_manager", "accounting", "recovery", "check"):
+            assert (logins / f"{role}.url").stat().st_mode & 0o777 == 0o600
+        check = subprocess.run(
+            [sys.executable, "-m", "rackctl.main", "check", "--no-at-rest"],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert check.returncode == 0 and "every invariant holds" in check.stdout, check
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)

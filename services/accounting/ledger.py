@@ -23,7 +23,7 @@ import asyncpg
 
 from shared import subjects, telemetry
 from shared.db import enqueue, queries
-from shared.messages import Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
+from shared.messages import MAX_TOTAL, Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
 
 SOURCE = "accounting"
 Q = queries(Path(__file__).parent / "queries.sql")
@@ -32,6 +32,18 @@ GiB = 2**30
 
 class UnknownSilo(Exception):
     """The delta names a silo whose creation has not reached accounting yet."""
+
+
+class UnknownProject(Exception):
+    """The delta names a project whose creation has not reached accounting yet."""
+
+
+class Forged(Exception):
+    """The delta contradicts its subject or what accounting knows: it is never applied."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -43,11 +55,14 @@ class Applied:
 
 async def apply_delta(conn: asyncpg.Connection, silo: str, project: str, d: ProvisionDelta) -> Applied:
     """Apply `d` inside the caller's transaction and queue its outcome (and the new usage) as events."""
-    if not await conn.fetchval(Q["silo_exists"], d.silo_id):
-        raise UnknownSilo(str(d.silo_id))
-    await conn.execute(Q["project_ensure"], d.project_id, d.silo_id, project)
+    await check_owner(conn, silo, project, d)
     await conn.execute(Q["charge_row_ensure"], d.instance_id, d.project_id, d.silo_id)
     held = await conn.fetchrow(Q["charge_row_lock"], d.instance_id)
+    if (held["project_id"], held["silo_id"]) != (d.project_id, d.silo_id):
+        raise Forged(
+            f"instance {d.instance_id} is charged to project {held['project_id']} of silo {held['silo_id']}, "
+            f"not to project {d.project_id} of silo {d.silo_id}"
+        )
 
     if d.generation == held["generation"]:
         telemetry.count("deltas.duplicate")
@@ -59,7 +74,7 @@ async def apply_delta(conn: asyncpg.Connection, silo: str, project: str, d: Prov
         dv = d.vcpus - held["vcpus"]
         dr = d.ram_bytes - held["ram_bytes"]
         dd = d.disk_bytes - held["disk_bytes"]
-        totals = await conn.fetchrow(Q["apply_totals"], d.silo_id, dv, dr, dd, d.project_id)
+        totals = await conn.fetchrow(Q["apply_totals"], d.silo_id, dv, dr, dd, d.project_id, MAX_TOTAL)
         if totals is None:
             telemetry.count("deltas.refused")
             reason = await refusal(conn, d.silo_id, dv, dr, dd)
@@ -112,6 +127,24 @@ async def apply_delta(conn: asyncpg.Connection, silo: str, project: str, d: Prov
     return result
 
 
+async def check_owner(conn: asyncpg.Connection, silo: str, project: str, d: ProvisionDelta) -> None:
+    """The subject's silo and project are the delta's, and the project is the silo's: the names in a
+    subject decide who may publish it (the broker's permissions), the ids decide what is charged, so the
+    two must agree. Raises UnknownSilo / UnknownProject while their creation has not arrived."""
+    silo_name = await conn.fetchval(Q["silo_name"], d.silo_id)
+    if silo_name is None:
+        raise UnknownSilo(str(d.silo_id))
+    if silo_name != silo:
+        raise Forged(f"subject names silo {silo}, but silo {d.silo_id} is {silo_name}")
+    p = await conn.fetchrow(Q["project_owner"], d.project_id)
+    if p is None:
+        raise UnknownProject(str(d.project_id))
+    if p["silo_id"] != d.silo_id:
+        raise Forged(f"project {d.project_id} belongs to silo {p['silo_name']}, not to {silo}")
+    if p["name"] is not None and p["name"] != project:
+        raise Forged(f"subject names project {project}, but project {d.project_id} is {p['name']}")
+
+
 def _usage(row: asyncpg.Record, prefix: str) -> Usage:
     return Usage(
         vcpus=row[f"{prefix}_vcpus"],
@@ -134,4 +167,8 @@ async def refusal(conn: asyncpg.Connection, silo_id: object, dv: int, dr: int, d
                 f"{name} quota exceeded: {used / unit:g}{suffix} of {quota / unit:g}{suffix} used, "
                 f"{asked / unit:g}{suffix} asked"
             )
+    fleet = await conn.fetchrow(Q["fleet_get"])
+    for name, asked, key in (("vCPU", dv, "vcpus"), ("RAM", dr, "ram_bytes"), ("storage", dd, "disk_bytes")):
+        if asked > 0 and fleet[key] + asked > MAX_TOTAL:
+            return f"{name} total of the fleet would pass its limit ({MAX_TOTAL})"
     return "quota exceeded"

@@ -9,14 +9,17 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.accounting.ledger import SOURCE, Q, UnknownSilo, apply_delta
-from shared import bus, db, subjects
+from services.accounting.ledger import SOURCE, Forged, Q, UnknownProject, UnknownSilo, apply_delta
+from shared import bus, db, subjects, telemetry
 from shared.config import Settings
 from shared.messages import Envelope, ProjectCreated, ProvisionDelta, SiloCreated, UsageGet
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
 SCHEMA = "accounting"
+UNKNOWN_PROJECT_DELIVERIES = 240
+"""A delta for a project whose creation has not arrived waits (0.5 s a try, some two minutes) for it,
+then is dead-lettered: the project's creation event always comes first from instance-manager's outbox."""
 
 
 def _usage(r: asyncpg.Record) -> dict[str, int]:
@@ -75,6 +78,13 @@ async def main(settings: Settings) -> None:
                 await apply_delta(conn, silo, project, d)
         except UnknownSilo:
             raise bus.Retry(f"silo {silo} not known yet", delay=0.2) from None
+        except UnknownProject:
+            if msg.metadata.num_delivered >= UNKNOWN_PROJECT_DELIVERIES:
+                raise bus.Reject(f"forged: project {d.project_id} of silo {silo} is not known") from None
+            raise bus.Retry(f"project {silo}/{project} not known yet", delay=0.5) from None
+        except Forged as e:
+            telemetry.count("deltas.forged")
+            raise bus.Reject(f"forged: {e.reason}") from None
         relay.kick()
 
     async def on_silo(env: Envelope, e: SiloCreated, msg: Msg) -> None:

@@ -6,12 +6,14 @@ ON CONFLICT (id) DO NOTHING;
 INSERT INTO projects (id, silo_id, name) VALUES ($1, $2, $3)
 ON CONFLICT (id) DO UPDATE SET name = coalesce(EXCLUDED.name, projects.name);
 
--- name: project_ensure
--- A charge may arrive before the project's creation event: its subject names the project.
-INSERT INTO projects (id, silo_id, name) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING;
-
 -- name: silo_exists
 SELECT EXISTS (SELECT 1 FROM silos WHERE id = $1);
+
+-- name: silo_name
+SELECT name FROM silos WHERE id = $1;
+
+-- name: project_owner
+SELECT p.silo_id, p.name, s.name AS silo_name FROM projects p JOIN silos s ON s.id = p.silo_id WHERE p.id = $1;
 
 -- name: charge_row_ensure
 INSERT INTO instance_charges (instance_id, project_id, silo_id) VALUES ($1, $2, $3)
@@ -21,13 +23,15 @@ ON CONFLICT (instance_id) DO NOTHING;
 -- Concurrent deltas of one instance serialize here, so that both cannot see "not charged yet".
 -- (Locked in its own statement: a FOR UPDATE in the same statement as an upsert skips the rows the
 -- upsert touches.)
-SELECT generation, vcpus, ram_bytes, disk_bytes, outcome, reason
+SELECT project_id, silo_id, generation, vcpus, ram_bytes, disk_bytes, outcome, reason
 FROM instance_charges WHERE instance_id = $1 FOR UPDATE;
 
 -- name: apply_totals
 -- Moves silo, project and fleet totals by ($2 vCPUs, $3 RAM, $4 disk) in one statement, gated by the
 -- silo's quotas: only increases are checked, reaching a quota exactly is allowed, and the silo row's
--- lock serializes concurrent charges, so together they can never exceed it. Returns 0 rows if refused.
+-- lock serializes concurrent charges, so together they can never exceed it. No increase may take the
+-- fleet's total (which bounds every silo's and project's) past $6 (MAX_TOTAL, shared/messages.py), so no
+-- sum overflows a bigint. Returns 0 rows if refused.
 WITH d AS (SELECT $2::bigint AS v, $3::bigint AS r, $4::bigint AS k), silo AS (
     UPDATE silos
     SET vcpus = vcpus + d.v, ram_bytes = ram_bytes + d.r, disk_bytes = disk_bytes + d.k
@@ -36,6 +40,9 @@ WITH d AS (SELECT $2::bigint AS v, $3::bigint AS r, $4::bigint AS k), silo AS (
       AND (d.v <= 0 OR quota_vcpus IS NULL OR vcpus + d.v <= quota_vcpus)
       AND (d.r <= 0 OR quota_ram_bytes IS NULL OR ram_bytes + d.r <= quota_ram_bytes)
       AND (d.k <= 0 OR quota_disk_bytes IS NULL OR disk_bytes + d.k <= quota_disk_bytes)
+      AND (d.v <= 0 OR (SELECT f.vcpus FROM fleet f) + d.v <= $6)
+      AND (d.r <= 0 OR (SELECT f.ram_bytes FROM fleet f) + d.r <= $6)
+      AND (d.k <= 0 OR (SELECT f.disk_bytes FROM fleet f) + d.k <= $6)
     RETURNING silos.id, silos.vcpus, ram_bytes, disk_bytes
 ), project AS (
     UPDATE projects

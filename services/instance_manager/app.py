@@ -93,6 +93,7 @@ class App:
             ram_bytes=ram_bytes,
             disk_bytes=disk_bytes,
         )
+        await conn.execute(Q["charge_pending"], v.id, generation)
         await enqueue(
             conn,
             subjects.provision_delta(v.silo, v.project),
@@ -118,6 +119,7 @@ class App:
                 row = await self.pool.fetchrow(Q["outcome_get"], *key)
                 if row is not None:
                     return row["outcome"], row["reason"]
+                await self.pool.execute(Q["charge_pending"], *key)
                 try:
                     await bus.publish(
                         self.js,
@@ -136,13 +138,21 @@ class App:
             self._waiters.pop(key, None)
 
     async def record_outcome(self, outcome: ProvisionOutcome) -> None:
-        await self.pool.execute(
-            Q["outcome_insert"],
-            outcome.instance_id,
-            outcome.generation,
-            outcome.outcome.value,
-            outcome.reason,
-        )
+        """Record the outcome of a charge this service sent and has no answer for yet (pending_charges).
+        Anything else changes nothing: a repeat of a recorded outcome is ignored, and an unsolicited one
+        (a charge never sent, or a forgery) is counted and dropped."""
+        key = (outcome.instance_id, outcome.generation)
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval(Q["charge_answered"], *key):
+                await conn.execute(Q["outcome_insert"], *key, outcome.outcome.value, outcome.reason)
+            elif await conn.fetchrow(Q["outcome_get"], *key) is None:
+                telemetry.count("outcomes.unsolicited")
+                log.warning(
+                    "dropped an outcome (%s) for a charge not pending: instance %s generation %d",
+                    outcome.outcome.value,
+                    *key,
+                )
+                return
         if (ev := self._waiters.get((outcome.instance_id, outcome.generation))) is not None:
             ev.set()
 

@@ -84,7 +84,7 @@ async def apply_vmm_report(app: App, report: VmmReport) -> str:
             placed = await conn.fetchrow(Q["vmm_placed"], report.vmm_id)
             if placed is not None and placed["sled_id"] != report.sled_id:
                 telemetry.count("reports.wrong_sled")
-                raise bus.Refuse(
+                raise bus.Reject(
                     f"forbidden: {report.sled_id} reports on VMM {report.vmm_id}, which runs on "
                     f"{placed['sled_id']}: a sled speaks only for its own VMMs"
                 )

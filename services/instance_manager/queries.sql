@@ -334,3 +334,12 @@ SELECT id FROM instances WHERE active_vmm_id = $1 OR target_vmm_id = $1 ORDER BY
 -- The evidence of a failure the control plane made (the checker holds it against the sleds' history).
 INSERT INTO failures (instance_id, vmm_id, sled_id, kind, reason, vmm_boot_number, proof_boot_number)
 VALUES ($1, $2, $3, $4, $5, $6, $7);
+
+-- name: charge_pending
+-- Before a delta is sent (a resend of one already answered adds nothing).
+INSERT INTO pending_charges (instance_id, generation)
+SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM charge_outcomes WHERE instance_id = $1 AND generation = $2)
+ON CONFLICT DO NOTHING;
+
+-- name: charge_answered
+DELETE FROM pending_charges WHERE instance_id = $1 AND generation = $2 RETURNING 1;

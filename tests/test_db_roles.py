@@ -1,0 +1,177 @@
+"""Database roles (deploy/sql/roles_*.sql), against the real PostgreSQL of the session's stack: each
+service's login reaches only its own schema, `rackctl check`'s login only reads, nobody connects as a
+superuser, and only an owner creates anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pwd
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from deploy.dbroles import SCHEMAS
+from deploy.stack import Stack
+from shared.db import owner_role
+from tests.test_cli import assert_ok, rackctl
+
+DENIED = (asyncpg.InsufficientPrivilegeError, asyncpg.ReadOnlySQLTransactionError)
+# A table each service has: a migration bookkeeping table, made by shared/db.py in every schema.
+TABLE = "schema_migrations"
+
+
+async def connect(url: str) -> asyncpg.Connection:
+    return await asyncpg.connect(url)
+
+
+@pytest.mark.parametrize(("mine", "other"), list(itertools.permutations(SCHEMAS, 2)))
+async def test_a_service_cannot_read_or_write_another_services_schema(
+    stack: Stack, mine: str, other: str
+) -> None:
+    conn = await connect(stack.service_database_urls[mine])
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.fetch(f"SELECT * FROM {other}.{TABLE} LIMIT 1")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(f"INSERT INTO {other}.{TABLE} (name) VALUES ('forged')")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(f"CREATE TABLE {other}.forged (x int)")
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+async def test_a_service_has_dml_on_its_own_schema_and_ddl_as_its_owner(stack: Stack, schema: str) -> None:
+    conn = await connect(stack.service_database_urls[schema])
+    try:
+        async with conn.transaction():
+            await conn.execute(f"INSERT INTO {schema}.{TABLE} (name) VALUES ('probe')")
+            assert await conn.fetchval(f"DELETE FROM {schema}.{TABLE} WHERE name = 'probe' RETURNING 1") == 1
+        for ddl in (f"CREATE TABLE {schema}.scratch (x int)", f"DROP TABLE {schema}.{TABLE}"):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(ddl)
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("CREATE TABLE public.scratch (x int)")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("CREATE SCHEMA scratch")
+        # Migrations: as the owner (in a transaction rolled back here), DDL on its own schema only.
+        tr = conn.transaction()
+        await tr.start()
+        try:
+            await conn.execute(f'SET LOCAL ROLE "{owner_role(schema)}"')
+            await conn.execute(f"CREATE TABLE {schema}.scratch (x int)")
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute("CREATE TABLE public.scratch (x int)")
+        finally:
+            await tr.rollback()
+        others = [s for s in SCHEMAS if s != schema]
+        for other in others:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(f'SET ROLE "{owner_role(other)}"')
+    finally:
+        await conn.close()
+
+
+async def test_the_checker_reads_every_schema_and_cannot_write(stack: Stack) -> None:
+    assert stack.database_url is not None
+    conn = await connect(stack.database_url)
+    try:
+        for schema in SCHEMAS:
+            assert await conn.fetchval(f"SELECT count(*) FROM {schema}.{TABLE}") > 0
+            with pytest.raises(DENIED):
+                await conn.execute(f"INSERT INTO {schema}.{TABLE} (name) VALUES ('forged')")
+            with pytest.raises(DENIED):
+                await conn.execute(f"SET default_transaction_read_only = off; DELETE FROM {schema}.{TABLE}")
+            with pytest.raises(DENIED):
+                await conn.execute(f"CREATE TABLE {schema}.forged (x int)")
+            await conn.execute("RESET default_transaction_read_only")
+        with pytest.raises(DENIED):
+            await conn.execute("CREATE TABLE public.forged (x int)")
+    finally:
+        await conn.close()
+
+
+async def test_rackctl_check_runs_as_the_read_only_role(stack: Stack) -> None:
+    assert stack.database_url is not None
+    assert_ok(await rackctl(stack, "check", "--no-at-rest", DATABASE_URL=stack.database_url))
+
+
+async def test_no_service_connects_as_a_superuser(stack: Stack) -> None:
+    assert stack.admin_database_url is not None
+    conn = await connect(stack.admin_database_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT a.usename, r.rolsuper FROM pg_stat_activity a JOIN pg_roles r ON r.oid = a.usesysid "
+            "WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()"
+        )
+    finally:
+        await conn.close()
+    users = {r["usename"] for r in rows}
+    assert set(SCHEMAS) <= users, f"every service has a connection of its own role: {users}"
+    assert not [r["usename"] for r in rows if r["rolsuper"]], rows
+
+
+async def test_no_login_but_the_administrator_is_privileged(stack: Stack) -> None:
+    """Roles: the service logins and the checker are plain; the owners cannot log in; no one is trusted."""
+    assert stack.admin_database_url is not None
+    conn = await connect(stack.admin_database_url)
+    try:
+        roles = {
+            r["rolname"]: r
+            for r in await conn.fetch("SELECT * FROM pg_roles WHERE rolname NOT LIKE 'pg\\_%'")
+        }
+        method = await conn.fetch("SELECT DISTINCT auth_method FROM pg_hba_file_rules")
+    finally:
+        await conn.close()
+    for schema in SCHEMAS:
+        app, owner = roles[schema], roles[owner_role(schema)]
+        assert app["rolcanlogin"] and not app["rolinherit"]
+        assert not owner["rolcanlogin"]
+        for r in (app, owner):
+            assert not (r["rolsuper"] or r["rolcreaterole"] or r["rolcreatedb"] or r["rolbypassrls"])
+    assert {r["auth_method"] for r in method} == {"scram-sha-256"}
+
+
+async def test_a_wrong_password_is_refused(stack: Stack) -> None:
+    from deploy.dbroles import with_login
+
+    assert stack.database_url is not None
+    with pytest.raises(asyncpg.InvalidPasswordError):
+        await connect(with_login(stack.database_url, "accounting", "guessed"))
+
+
+def test_the_compose_steps_make_logins_that_survive_a_second_up(tmp_path: Path) -> None:
+    """deploy/dbroles.py as docker-compose.yml runs it: `secrets` once, then `apply` at every `up`, which
+    keeps the passwords already written (running services keep working)."""
+    from deploy.dbroles import _compose
+    from deploy.stack import SUPERUSER_PASSWORD, Postgres, run_sync
+
+    pg = Postgres(tmp_path / "pg").start()
+    try:
+        logins = tmp_path / "logins"
+        logins.mkdir()
+        (logins / "postgres.password").write_text((pg.data / SUPERUSER_PASSWORD).read_text())
+        me = pwd.getpwuid(os.getuid()).pw_name
+        args = ["apply", "--dir", str(logins), "--host", "127.0.0.1", "--port", str(pg.port), "--owner", me]
+        _compose(args)
+        first = {p.name: p.read_text() for p in logins.glob("*.url")}
+        assert set(first) == {f"{s}.url" for s in SCHEMAS} | {"check.url"}
+        _compose(args)
+        assert {p.name: p.read_text() for p in logins.glob("*.url")} == first
+        assert all((logins / name).stat().st_mode & 0o777 == 0o600 for name in first)
+
+        async def whoami(url: str) -> str:
+            conn = await asyncpg.connect(url)
+            try:
+                return await conn.fetchval("SELECT current_user")
+            finally:
+                await conn.close()
+
+        for name, url in first.items():
+            expected = "rackplane_check" if name == "check.url" else name.removesuffix(".url")
+            assert run_sync(whoami(url.strip())) == expected
+    finally:
+        pg.stop()
