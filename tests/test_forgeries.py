@@ -143,6 +143,8 @@ def test_amounts_past_their_limits_are_refused(model: type[m.Model], fields: dic
         "SledInventory": {
             "sled_id": "sled-0",
             "boot_id": uuid.uuid4(),
+            "boot_number": 1,
+            "seq": 0,
             "vcpus": m.MAX_SLED_VCPUS,
             "ram_bytes": m.MAX_SLED_RAM_BYTES,
             "vmms": [],
