@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import asyncpg
-import nats
+
+from deploy.identities import DEFAULT_SLEDS
+from deploy.security import BrokerSecurity
+from deploy.streams import ensure as ensure_streams
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,10 +92,19 @@ class Nats:
     dir: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    conf: Path | None = None
+    """The identities and their permissions, and TLS (deploy/security.py)."""
+    scheme: str = "nats"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def reload(self) -> None:
+        """Read the config again (new or rotated identities), as `nats-server --signal reload` does."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGHUP)
+            time.sleep(0.3)
 
     def start(self) -> Nats:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +121,7 @@ class Nats:
                 str(self.dir / "jetstream"),
                 "--server_name",
                 f"rackplane-{self.port}",
+                *(["-c", str(self.conf)] if self.conf else []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -303,25 +316,41 @@ class Stack:
     nats: Nats | None = None
     postgres: Postgres | None = None
     services: dict[str, Service] = field(default_factory=dict)
+    security: BrokerSecurity | None = None
 
     def start_infra(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.nats_url is None:
+            if self.security is None:
+                sleds = max(DEFAULT_SLEDS, 2 * int(self.env.get("RACKPLANE_SLEDS", "8")))
+                tls = self.env.get("RACKPLANE_TLS", "") not in ("", "0")
+                self.security = BrokerSecurity(self.dir, tls=tls, sleds=sleds)
             self.nats = Nats(
-                self.dir / "nats", port=int(self.env.get("RACKPLANE_NATS_PORT", 0)) or free_port()
+                self.dir / "nats",
+                port=int(self.env.get("RACKPLANE_NATS_PORT", 0)) or free_port(),
+                conf=self.security.server_conf(),
+                scheme=self.security.scheme,
             ).start()
             self.nats_url = self.nats.url
+            run_sync(self.security.ensure_streams(self.nats_url))
+        else:  # someone else's broker: the streams with whatever credential the environment gives
+            run_sync(
+                ensure_streams(
+                    self.nats_url, os.environ.get("NATS_NKEY_FILE"), os.environ.get("NATS_CA_FILE")
+                )
+            )
         if self.database_url is None:
             self.postgres = Postgres(
                 self.dir / "pg", port=int(self.env.get("RACKPLANE_PG_PORT", 0)) or free_port()
             ).start()
             self.database_url = self.postgres.url
 
-    def service_env(self) -> dict[str, str]:
+    def service_env(self, service: str | None = None) -> dict[str, str]:
         assert self.nats_url and self.database_url
         return {
             **os.environ,
             "RACKPLANE_SIM_STATE": str(self.dir / "sim"),  # sleds outlive a restart of the simulator
+            **(self.security.service_env(service) if self.security and service else {}),
             **self.env,
             "NATS_URL": self.nats_url,
             "DATABASE_URL": self.database_url,
@@ -332,7 +361,7 @@ class Stack:
     def start_service(self, name: str, replica: str | None = None) -> Service:
         """Start a service; `replica` names a second (third...) process of the same service."""
         key = replica or name
-        svc = Service(name, self.service_env(), self.dir / f"{key}.log").start()
+        svc = Service(name, self.service_env(name), self.dir / f"{key}.log").start()
         self.services[key] = svc
         return svc
 
@@ -366,7 +395,17 @@ async def _wait_ready(url: str, names: list[str], timeout: float, stack: Stack) 
     from shared import subjects
     from shared.messages import StatsGet, encode, envelope
 
-    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    from shared.bus import connect
+
+    auditor = stack.security.context("auditor", url) if stack.security else None
+    nc = await connect(
+        url,
+        "stack",
+        retry_for=timeout,
+        seed_file=auditor.nkey if auditor else None,
+        inbox_prefix=subjects.inbox_prefix("auditor") if auditor else None,
+        ca_file=auditor.ca if auditor else None,
+    )
     try:
         deadline = time.monotonic() + timeout
         for name in names:
@@ -400,7 +439,10 @@ def main() -> None:
     env = {
         "RACKPLANE_NATS_PORT": os.environ.get("RACKPLANE_NATS_PORT", "4222"),
         "RACKPLANE_PG_PORT": os.environ.get("RACKPLANE_PG_PORT", "5433"),
+        "RACKPLANE_FAULTS": os.environ.get("RACKPLANE_FAULTS", ""),  # make run FAULTS=1
+        "RACKPLANE_TLS": os.environ.get("RACKPLANE_TLS", ""),  # make run TLS=1
     }
+    faults = env["RACKPLANE_FAULTS"] not in ("", "0")
     stack = Stack(args.dir, os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL"), env)
     stopping = False
 
@@ -412,12 +454,22 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     try:
         stack.start()
+        if stack.security and stack.nats_url:
+            # rackctl's default context: the console identity (fleet and simulator operator, auditor),
+            # or with fault injection on, the test identity, the one the services take faults from
+            context = stack.security.write_context("default", "test" if faults else "console", stack.nats_url)
         print(f"rackplane is running (state and logs in {args.dir})")
         print(f"  NATS      {stack.nats_url}{'' if stack.nats else '  (from NATS_URL)'}")
         print(f"  Postgres  {stack.database_url}{'' if stack.postgres else '  (from DATABASE_URL)'}")
         for name, svc in stack.services.items():
             print(f"  {name:<17} pid {svc.proc.pid if svc.proc else '-'}, log {svc.log_path}")
-        print(f"Try: NATS_URL={stack.nats_url} .venv/bin/rackctl sled list    (Ctrl-C stops everything)")
+        if stack.security:
+            print(f"  rackctl   context {context} ({'test' if faults else 'console'} identity)")
+            print(f"  Identities and credentials in {stack.security.store.dir}")
+        print(
+            f"  Fault injection {'ON (RACKPLANE_FAULTS=1)' if faults else 'off (make run FAULTS=1 enables it)'}"
+        )
+        print("Try: .venv/bin/rackctl sled list    (Ctrl-C stops everything)")
         while not stopping:
             for name, svc in stack.services.items():
                 if not svc.alive:
