@@ -9,6 +9,7 @@ PostgreSQL refuses to run as root; as root, the cluster runs as the unprivileged
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import concurrent.futures
 import contextlib
@@ -103,26 +104,26 @@ class Nats:
     def reload(self) -> None:
         """Read the config again (new or rotated identities), as `nats-server --signal reload` does."""
         if self.proc and self.proc.poll() is None:
+            self._write_config()
             self.proc.send_signal(signal.SIGHUP)
             time.sleep(0.3)
+
+    def _write_config(self) -> Path:
+        """Everything in one file (a reload compares the whole config with the running one): the
+        address, the store, the name, and `conf` (the accounts and users, TLS) appended."""
+        path = self.dir / "server.conf"
+        path.write_text(
+            f"listen: 127.0.0.1:{self.port}\nserver_name: rackplane-{self.port}\n"
+            f"jetstream {{\n  store_dir: {json.dumps(str(self.dir / 'jetstream'))}\n}}\n"
+            + (self.conf.read_text() if self.conf else "")
+        )
+        return path
 
     def start(self) -> Nats:
         self.dir.mkdir(parents=True, exist_ok=True)
         log = open(self.dir / "nats.log", "ab")
         self.proc = subprocess.Popen(
-            [
-                nats_server_binary(),
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-sd",
-                str(self.dir / "jetstream"),
-                "--server_name",
-                f"rackplane-{self.port}",
-                *(["-c", str(self.conf)] if self.conf else []),
-            ],
+            [nats_server_binary(), "-c", str(self._write_config())],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

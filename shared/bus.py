@@ -135,17 +135,17 @@ class Denials:
     """The broker's "Permissions Violation" errors on one connection, so that a request it refused fails
     at once with a clear reason instead of waiting out its timeout."""
 
-    PREFIX = "nats: Permissions Violation for Publish to "
+    PREFIX = "nats: permissions violation for publish to "
 
     def __init__(self) -> None:
         self.waiting: dict[str, list[asyncio.Future[str]]] = {}
 
     def note(self, e: Exception) -> bool:
         text = str(e)
-        if "Permissions Violation" not in text:
+        if "permissions violation" not in text.lower():
             return False
-        if text.startswith(self.PREFIX):
-            subject = text.removeprefix(self.PREFIX).strip().strip('"')
+        if text.lower().startswith(self.PREFIX):
+            subject = text[len(self.PREFIX) :].strip().strip('"').lower()  # the error comes lowercased
             for f in self.waiting.pop(subject, []):
                 if not f.done():
                     f.set_result(text)
@@ -153,14 +153,14 @@ class Denials:
 
     def watch(self, subject: str) -> asyncio.Future[str]:
         f: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.waiting.setdefault(subject, []).append(f)
+        self.waiting.setdefault(subject.lower(), []).append(f)
         return f
 
     def forget(self, subject: str, f: asyncio.Future[str]) -> None:
-        if f in (waiting := self.waiting.get(subject, [])):
+        if f in (waiting := self.waiting.get(subject.lower(), [])):
             waiting.remove(f)
             if not waiting:
-                del self.waiting[subject]
+                del self.waiting[subject.lower()]
 
 
 _DENIALS: weakref.WeakKeyDictionary[NATS, Denials] = weakref.WeakKeyDictionary()
@@ -431,7 +431,9 @@ async def _unless_denied(call: Awaitable[Msg], subject: str, denials: Denials) -
         await asyncio.wait({task, denied}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
-            raise CommandError("forbidden", f"the broker refuses {subject} to this identity (permissions)")
+            raise CommandError(
+                "forbidden", f"forbidden by the broker: this identity may not send on {subject}"
+            )
         return task.result()
     finally:
         denials.forget(subject, denied)
