@@ -9,10 +9,10 @@ PostgreSQL refuses to run as root; as root, the cluster runs as the unprivileged
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
 import pwd
 import shutil
@@ -394,9 +394,8 @@ class Stack:
 
 async def _wait_ready(url: str, names: list[str], timeout: float, stack: Stack) -> None:
     from shared import subjects
-    from shared.messages import StatsGet, encode, envelope
-
     from shared.bus import connect
+    from shared.messages import StatsGet, encode, envelope
 
     auditor = stack.security.context("auditor", url) if stack.security else None
     nc = await connect(
@@ -468,7 +467,7 @@ def main() -> None:
             print(f"  rackctl   context {context} ({'test' if faults else 'console'} identity)")
             print(f"  Identities and credentials in {stack.security.store.dir}")
         print(
-            f"  Fault injection {'ON (RACKPLANE_FAULTS=1)' if faults else 'off (make run FAULTS=1 enables it)'}"
+            "  Fault injection", "ON (RACKPLANE_FAULTS=1)" if faults else "off (make run FAULTS=1 enables it)"
         )
         print("Try: .venv/bin/rackctl sled list    (Ctrl-C stops everything)")
         while not stopping:

@@ -65,10 +65,13 @@ SUBJECTS = [
     "$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-3.rp.sled.sled-4.cmd.>",
     "$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-4.rp.sled.sled-4.cmd.>",
     "$JS.API.CONSUMER.DURABLE.CREATE.SLED_CMD.sled-agent-sled-3",
-    "$JS.API.CONSUMER.INFO.SLED_CMD.sled-agent-sled-3", "$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-3",
-    "$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-4", "$JS.API.CONSUMER.DELETE.SLED_CMD.sled-agent-sled-3",
+    "$JS.API.CONSUMER.INFO.SLED_CMD.sled-agent-sled-3",
+    "$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-3",
+    "$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-4",
+    "$JS.API.CONSUMER.DELETE.SLED_CMD.sled-agent-sled-3",
     "$JS.API.CONSUMER.CREATE.PROVISION.accounting-deltas.rp.acct.delta.>",
-    "$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas", "$JS.API.CONSUMER.DELETE.PROVISION.accounting-deltas",
+    "$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas",
+    "$JS.API.CONSUMER.DELETE.PROVISION.accounting-deltas",
     "$JS.API.CONSUMER.LIST.EVENTS", "$JS.API.CONSUMER.NAMES.EVENTS", "$JS.API.CONSUMER.PAUSE.EVENTS.x",
     "$JS.ACK.PROVISION.accounting-deltas.1.1.1.1.0", "$JS.ACK.SLED_CMD.sled-agent-sled-3.1.1.1.1.0",
     "$JS.ACK.SLED_CMD.sled-agent-sled-4.1.1.1.1.0", "$JS.FC.EVENTS.x",
@@ -227,7 +230,7 @@ async def test_a_consumer_cannot_be_pointed_at_another_filter(bare: tuple[Nats, 
 
 
 async def test_no_credential_no_connection(stack: Stack) -> None:
-    with pytest.raises(ConnectionError, match="(?i)authorization"):
+    with pytest.raises(ConnectionError, match=r"(?i)authorization"):
         await bus.connect(stack.nats_url or "", "anonymous", retry_for=2)
 
 
