@@ -1084,7 +1084,19 @@ async def chaos(ctx: Ctx) -> None:
         if d.get("counters"):
             print(f"injected so far: {_injected_text(d['counters'])}")
 
-    ctx.emit(await client.faults(a.service, body), human)
+    try:
+        reply = await client.faults(a.service, body)
+    except bus.CommandError as e:
+        if e.code in ("forbidden", "unavailable"):
+            raise Failure(f"{a.service}: {FAULTS_OFF} ({e.message})") from None
+        raise
+    ctx.emit(reply, human)
+
+
+FAULTS_OFF = (
+    "fault injection refused or off: the services take it only from the test identity, and only when "
+    "started with it enabled (make run FAULTS=1)"
+)
 
 
 def _chaos_text(f: dict[str, Any]) -> str | None:

@@ -27,8 +27,8 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         "RACKPLANE_PG_PORT": str(pg_port),
         "RACKPLANE_INVENTORY_INTERVAL": "1",
     }
-    env.pop("NATS_URL", None)
-    env.pop("DATABASE_URL", None)
+    for name in ("NATS_URL", "DATABASE_URL", "RACKCTL_CONTEXT", "RACKPLANE_IDENTITIES"):
+        env.pop(name, None)  # make run makes its own identities, and rackctl finds its default context
     proc = subprocess.Popen(
         ["make", "-s", "run"],
         cwd=ROOT,
@@ -52,7 +52,8 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         assert f"nats://127.0.0.1:{nats_port}" in output
         assert f"127.0.0.1:{pg_port}" in output
 
-        cli_env = {**env, "NATS_URL": f"nats://127.0.0.1:{nats_port}"}
+        assert (home / "contexts" / "default.json").exists()
+        cli_env = env  # no URL, no credential: the default context has both
 
         def sleds() -> list[dict[str, object]]:
             out = subprocess.run(
@@ -69,6 +70,17 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         while len(sleds()) < 8 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(sleds()) == 8
+
+        def rackctl(*args: str) -> subprocess.CompletedProcess[str]:
+            cmd = [sys.executable, "-m", "rackctl.main", *args]
+            return subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=30)
+
+        assert (
+            rackctl("sim", "sled", "list").returncode == 0
+        )  # the default context includes simulator control
+        refused = rackctl("chaos", "accounting", "--timeout", "5")
+        assert refused.returncode == 1 and "make run FAULTS=1" in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
