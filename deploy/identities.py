@@ -395,23 +395,28 @@ def _user_conf(identity: Identity, public_key: str) -> str:
 
 
 def matrix() -> str:
-    """Every kind of identity and its grants, in Markdown, from the same definitions as the config."""
+    """Every kind of identity and its grants, in Markdown, from the same definitions as the config
+    (one example of each per-sled and per-silo identity: `sled-7`, `silo-operator-acme`)."""
     examples = [
         *(Identity(s, "service", s) for s in SERVICES),
         sled("sled-7"),
         silo_operator("acme"),
         *(Identity(o, "operator", o) for o in OPERATORS),
     ]
-    out = ["| Identity | Publish | Deny publish | Subscribe | Answers requests |", "|---|---|---|---|---|"]
+    out = []
     for i in examples:
         g = i.grants
-        cells = [
-            ", ".join(f"`{s}`" for s in items) or "-" for items in (g.publish, g.publish_deny, g.subscribe)
-        ]
-        out.append(
-            f"| `{i.name}` | {cells[0]} | {cells[1]} | {cells[2]} | {'yes' if g.responses else 'no'} |"
-        )
-    return "\n".join(out) + "\n"
+        out.append(f"#### `{i.name}`\n")
+        for label, items in (
+            ("publish", g.publish),
+            ("never publish", g.publish_deny),
+            ("subscribe", g.subscribe),
+            ("never subscribe", g.subscribe_deny),
+        ):
+            if items:
+                out.append(f"- {label}: " + ", ".join(f"`{s}`" for s in items))
+        out.append(f"- answers requests (`allow_responses`): {'yes' if g.responses else 'no'}\n")
+    return "\n".join(out)
 
 
 def next_sled_id(store: Store) -> str:

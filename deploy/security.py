@@ -5,7 +5,7 @@ deploy/stack.py calls this; it keeps what a throwaway stack needs in one place:
 - the identities (deploy/identities.py), in `<stack>/identities`, or in $RACKPLANE_IDENTITIES when set
   (the tests make one set per test run, for all their stacks);
 - with TLS (RACKPLANE_TLS=1, `make run TLS=1`), a CA and a server certificate (deploy/tls.py);
-- `nats-auth.conf`, the server's config: the accounts and users, and the `tls` block;
+- `nats-auth.conf`, included by the server's config: the accounts and users, and the `tls` block;
 - each service's environment: its own credential (NATS_NKEY_FILE), the CA (NATS_CA_FILE), and for the
   sled agent the sleds' credentials (RACKPLANE_SLED_NKEYS);
 - contexts for rackctl (rackctl/context.py).
@@ -13,6 +13,7 @@ deploy/stack.py calls this; it keeps what a throwaway stack needs in one place:
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,9 +56,10 @@ class BrokerSecurity:
         return str(self.certs.ca) if self.certs else None
 
     def server_conf(self) -> Path:
-        """nats-server's config file beside the identities (ports and store come as flags)."""
+        """The part of nats-server's config that is about who may connect: the accounts and users (an
+        include of the identities' `auth.conf`, so that a new identity needs only a reload) and TLS."""
         path = self.dir / "nats-auth.conf"
-        text = self.store.auth_conf.read_text()
+        text = f"include {json.dumps(os.path.relpath(self.store.auth_conf, self.dir))}\n"
         if self.certs is not None:
             text += self.certs.server_conf()
         path.write_text(text)

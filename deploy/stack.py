@@ -109,13 +109,13 @@ class Nats:
             time.sleep(0.3)
 
     def _write_config(self) -> Path:
-        """Everything in one file (a reload compares the whole config with the running one): the
-        address, the store, the name, and `conf` (the accounts and users, TLS) appended."""
+        """All settings in the config file (a reload compares the whole config with the running one): the
+        address, the store, the name, and an include of `conf` (the accounts and users, TLS)."""
         path = self.dir / "server.conf"
+        include = f"include {json.dumps(os.path.relpath(self.conf, self.dir))}\n" if self.conf else ""
         path.write_text(
             f"listen: 127.0.0.1:{self.port}\nserver_name: rackplane-{self.port}\n"
-            f"jetstream {{\n  store_dir: {json.dumps(str(self.dir / 'jetstream'))}\n}}\n"
-            + (self.conf.read_text() if self.conf else "")
+            f"jetstream {{\n  store_dir: {json.dumps(str(self.dir / 'jetstream'))}\n}}\n{include}"
         )
         return path
 

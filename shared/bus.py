@@ -93,7 +93,8 @@ async def connect(
         if denials.note(e):
             log.warning("%s: %s", name, e)
             return
-        last_error[:] = [e]
+        if not (last_error and "Authorization" in str(last_error[0])):  # the reason that matters most
+            last_error[:] = [e]
         log.warning("%s: nats error: %s", name, e)
 
     async def on_disconnect() -> None:
