@@ -41,6 +41,8 @@ FAST = {
 
 
 Rack = tuple[Stack, Client, asyncpg.Pool]
+JetStreamAs = Callable[[str], Awaitable[Any]]
+"""`jetstream_as(identity)`: a JetStream context with that identity's credential."""
 
 
 def make_stack(name: str, **env: str) -> Stack:
@@ -128,6 +130,22 @@ async def connect_as(stack: Stack, identity: str) -> Any:
         inbox_prefix=subjects.inbox_prefix(identity),
         ca_file=ctx.ca,
     )
+
+
+@pytest.fixture
+async def jetstream_as(stack: Stack) -> AsyncIterator[JetStreamAs]:
+    """JetStream with one identity's credential, on the session stack: for tests that send, forged or
+    malformed, what only that identity may send (a sled's reports, instance-manager's deltas)."""
+    opened: list[Any] = []
+
+    async def open_as(identity: str) -> Any:
+        nc = await connect_as(stack, identity)
+        opened.append(nc)
+        return nc.jetstream()
+
+    yield open_as
+    for nc in opened:
+        await nc.close()
 
 
 @pytest.fixture(scope="session")
