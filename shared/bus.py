@@ -127,6 +127,12 @@ async def connect(
         )
     except (TimeoutError, OSError, nats.errors.Error) as e:
         why = last_error[0] if last_error else e
+        if "Authorization" in str(why):
+            whose = "a credential it does not accept" if seed_file else "no credential"
+            raise ConnectionError(
+                f"nats at {url} refused the connection (Authorization Violation): {whose} "
+                "(docs/security.md: rackctl takes its credential from a context)"
+            ) from None
         raise ConnectionError(f"cannot reach nats at {url} within {retry_for:g}s: {why}") from None
     _DENIALS[nc] = denials
     return nc

@@ -401,3 +401,21 @@ def test_docs_show_the_generated_matrix() -> None:
     assert begin in text and end in text
     shown = text.split(begin, 1)[1].split(end, 1)[0]
     assert shown == identities.matrix(), "docs/security.md is stale: run `python -m deploy.identities matrix`"
+
+
+async def test_rackctl_check_runs_with_the_auditor_identity(stack: Stack, db: Any) -> None:
+    """The broker's checks (consumers, inventories, pool events) need nothing but the auditor's reads: a
+    missing grant would make one of them fail (time out) instead of coming back clean."""
+    from rackctl.check import check
+
+    auditor = await connect_as(stack, "auditor")
+    try:
+        js = auditor.jetstream(timeout=5)
+
+        async def clean() -> bool:
+            async with db.acquire() as conn:
+                return not await check(conn, at_rest=True, js=js)
+
+        await eventually(clean, timeout=20)
+    finally:
+        await auditor.close()
