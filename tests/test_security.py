@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -113,7 +114,12 @@ PROBED = [i for i in PROBED if i.kind != "sled" or i.name == "sled-3"]
 async def bare(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Nats, BrokerSecurity]]:
     """A nats-server with the generated config and the streams, and nothing else on it."""
     folder = tmp_path_factory.mktemp("bare-nats")
-    security = BrokerSecurity(folder)
+    shared = os.environ.pop("RACKPLANE_IDENTITIES", None)  # identities of its own, apart from the tests'
+    try:
+        security = BrokerSecurity(folder)
+    finally:
+        if shared is not None:
+            os.environ["RACKPLANE_IDENTITIES"] = shared
     security.store.add(identities.silo_operator("acme"))
     server = Nats(folder / "nats", port=free_port(), conf=security.server_conf()).start()
     await security.ensure_streams(server.url)
@@ -419,3 +425,45 @@ async def test_rackctl_check_runs_with_the_auditor_identity(stack: Stack, db: An
         await eventually(clean, timeout=20)
     finally:
         await auditor.close()
+
+
+async def test_add_a_sled_then_rotate_its_credential(bare: tuple[Nats, BrokerSecurity]) -> None:
+    """docs/security.md's procedures: `add-sled` and a reload let a new sled in; `rotate` and a reload
+    shut its old key out."""
+    server, security = bare
+    folder = security.store.dir
+    new = identities.next_sled_id(security.store)
+    identities.main(["add-sled", str(folder)])
+    security.store = identities.Store.load(folder)
+    assert new in security.store.identities
+    server.reload()
+
+    async def reports(seed: str) -> None:
+        nc = await bus.connect(
+            server.url, new, retry_for=3, seed_file=seed, inbox_prefix=subjects.inbox_prefix(new)
+        )
+        try:
+            await nc.jetstream(timeout=2).publish(subjects.sled_report(new, "inventory"), b"{}")
+        finally:
+            await nc.close()
+
+    old_seed = security.store.seed_file(new).read_bytes()
+    await reports(security.seed(new))
+    identities.main(["rotate", str(folder), new])
+    assert security.store.seed_file(new).read_bytes() != old_seed
+    server.reload()
+    await reports(security.seed(new))
+    stale = folder / "stale.nk"
+    stale.write_bytes(old_seed)
+    with pytest.raises(ConnectionError, match="refused"):
+        await reports(str(stale))
+
+
+def test_a_sled_without_a_credential_cannot_join(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.sled_agent import identity
+
+    monkeypatch.setenv("RACKPLANE_SLED_NKEYS", str(tmp_path))
+    (tmp_path / "sled-0.nk").write_text("seed")
+    assert identity.seed_file("sled-0") == tmp_path / "sled-0.nk"
+    with pytest.raises(identity.NoCredential, match="add-sled"):
+        identity.seed_file("sled-1")
