@@ -97,7 +97,11 @@ async def connect(
             last_error[:] = [e]
         log.warning("%s: nats error: %s", name, e)
 
+    connected: list[NATS] = []
+
     async def on_disconnect() -> None:
+        if connected and connected[0].is_closed:  # closed on purpose: nothing to warn about
+            return
         log.warning("%s: disconnected from nats", name)
 
     async def on_reconnect() -> None:
@@ -135,6 +139,7 @@ async def connect(
             ) from None
         raise ConnectionError(f"cannot reach nats at {url} within {retry_for:g}s: {why}") from None
     _DENIALS[nc] = denials
+    connected.append(nc)
     return nc
 
 
