@@ -34,6 +34,7 @@ from pathlib import Path
 import nkeys
 
 from shared import subjects
+from shared.messages import NAME_PATTERN
 
 ACCOUNT = "RACKPLANE"
 SERVICES = ("instance-manager", "accounting", "recovery", "simulator")
@@ -263,15 +264,9 @@ def sled(sled_id: str) -> Identity:
 
 
 def silo_operator(silo: str) -> Identity:
-    if not re.match(subjects_name_pattern(), silo):
+    if not re.match(NAME_PATTERN, silo):
         raise ValueError(f"not a silo name: {silo!r}")
     return Identity(f"silo-operator-{silo}", "silo-operator", silo)
-
-
-def subjects_name_pattern() -> str:
-    from shared.messages import NAME_PATTERN
-
-    return NAME_PATTERN
 
 
 def standard(sleds: int = DEFAULT_SLEDS, silos: Iterable[str] = ()) -> list[Identity]:
