@@ -1,6 +1,7 @@
 # One image for all four rackplane services. docker-compose.yml chooses what each container runs:
 #   python -m services.sled_agent | services.instance_manager | services.accounting | services.recovery
-# Settings come from the environment: NATS_URL, DATABASE_URL, RACKPLANE_* (see shared/config.py).
+# Settings come from the environment: NATS_URL, NATS_NKEY_FILE, NATS_CA_FILE, DATABASE_URL, RACKPLANE_*
+# (see shared/config.py).
 #
 # Dependencies are exactly the pinned versions of requirements.lock (installed with --no-deps, so nothing
 # unpinned slips in). The only network access is pip's, to the package index.
@@ -27,7 +28,9 @@ COPY rackctl/ rackctl/
 RUN pip install --no-deps .
 
 # The services need no privileges: they only open outgoing connections to NATS and PostgreSQL.
-RUN useradd --system --no-create-home --shell /usr/sbin/nologin rackplane
+# /identities is the mount point of compose's identities volume: a fresh volume takes its owner from it.
+RUN useradd --system --no-create-home --shell /usr/sbin/nologin rackplane \
+    && mkdir /identities && chown rackplane /identities
 USER rackplane
 
 # Run from outside /src, so that `python -m services.<name>` imports the installed package.

@@ -14,10 +14,11 @@ $(BIN)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 
 install: $(BIN)/.installed
 
-## run: start NATS, Postgres and the four services (or use NATS_URL / DATABASE_URL); Ctrl-C stops all
+## run: start NATS, Postgres and the four services (or use NATS_URL / DATABASE_URL); Ctrl-C stops all.
+## FAULTS=1 lets the services take fault injection (rackctl chaos); TLS=1 puts NATS behind TLS.
 run: install
 	@$(PYTHON) deploy/preflight.py run
-	$(BIN)/python -m deploy.stack
+	RACKPLANE_FAULTS=$(FAULTS) RACKPLANE_TLS=$(TLS) $(BIN)/python -m deploy.stack
 
 ## test: lint, then the whole suite against real nats-server and PostgreSQL processes. Tests run on up to
 ## 4 workers (one per core), each with stacks of its own; the suite starts some 300 Python processes, so

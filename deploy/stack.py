@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
 import pwd
 import secrets
@@ -29,7 +30,10 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import asyncpg
-import nats
+
+from deploy.identities import DEFAULT_SLEDS
+from deploy.security import BrokerSecurity
+from deploy.streams import ensure as ensure_streams
 
 from deploy import dbroles
 
@@ -95,27 +99,37 @@ class Nats:
     dir: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    conf: Path | None = None
+    """The identities and their permissions, and TLS (deploy/security.py)."""
+    scheme: str = "nats"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def reload(self) -> None:
+        """Read the config again (new or rotated identities), as `nats-server --signal reload` does."""
+        if self.proc and self.proc.poll() is None:
+            self._write_config()
+            self.proc.send_signal(signal.SIGHUP)
+            time.sleep(0.3)
+
+    def _write_config(self) -> Path:
+        """All settings in the config file (a reload compares the whole config with the running one): the
+        address, the store, the name, and an include of `conf` (the accounts and users, TLS)."""
+        path = self.dir / "server.conf"
+        include = f"include {json.dumps(os.path.relpath(self.conf, self.dir))}\n" if self.conf else ""
+        path.write_text(
+            f"listen: 127.0.0.1:{self.port}\nserver_name: rackplane-{self.port}\n"
+            f"jetstream {{\n  store_dir: {json.dumps(str(self.dir / 'jetstream'))}\n}}\n{include}"
+        )
+        return path
 
     def start(self) -> Nats:
         self.dir.mkdir(parents=True, exist_ok=True)
         log = open(self.dir / "nats.log", "ab")
         self.proc = subprocess.Popen(
-            [
-                nats_server_binary(),
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-sd",
-                str(self.dir / "jetstream"),
-                "--server_name",
-                f"rackplane-{self.port}",
-            ],
+            [nats_server_binary(), "-c", str(self._write_config())],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -342,14 +356,32 @@ class Stack:
     nats: Nats | None = None
     postgres: Postgres | None = None
     services: dict[str, Service] = field(default_factory=dict)
+    security: BrokerSecurity | None = None
 
     def start_infra(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.nats_url is None:
+            if self.security is None:
+                sleds = max(DEFAULT_SLEDS, 2 * int(self.env.get("RACKPLANE_SLEDS", "8")))
+                tls = self.env.get("RACKPLANE_TLS", "") not in ("", "0")
+                self.security = BrokerSecurity(self.dir, tls=tls, sleds=sleds)
             self.nats = Nats(
-                self.dir / "nats", port=int(self.env.get("RACKPLANE_NATS_PORT", 0)) or free_port()
+                self.dir / "nats",
+                port=int(self.env.get("RACKPLANE_NATS_PORT", 0)) or free_port(),
+                conf=self.security.server_conf(),
+                scheme=self.security.scheme,
             ).start()
             self.nats_url = self.nats.url
+            run_sync(self.security.ensure_streams(self.nats_url, self.duplicate_window()))
+        else:  # someone else's broker: the streams with whatever credential the environment gives
+            run_sync(
+                ensure_streams(
+                    self.nats_url,
+                    os.environ.get("NATS_NKEY_FILE"),
+                    os.environ.get("NATS_CA_FILE"),
+                    window=self.duplicate_window(),
+                )
+            )
         if self.database_url is None:
             self.postgres = Postgres(
                 self.dir / "pg", port=int(self.env.get("RACKPLANE_PG_PORT", 0)) or free_port()
@@ -362,14 +394,20 @@ class Stack:
         elif self.admin_database_url is None:  # given: used as it is, for everything
             self.admin_database_url = self.database_url
 
-    def service_env(self, name: str | None = None) -> dict[str, str]:
+    def duplicate_window(self) -> float | None:
+        """The stack's own setting (a chaos run shortens it), else the environment's."""
+        given = self.env.get("RACKPLANE_DUPLICATE_WINDOW")
+        return float(given) if given else None
+
+    def service_env(self, service: str | None = None) -> dict[str, str]:
         assert self.nats_url and self.database_url
         return {
             **os.environ,
             "RACKPLANE_SIM_STATE": str(self.dir / "sim"),  # sleds outlive a restart of the simulator
+            **(self.security.service_env(service) if self.security and service else {}),
             **self.env,
             "NATS_URL": self.nats_url,
-            "DATABASE_URL": self.service_database_urls.get(name or "", self.database_url),
+            "DATABASE_URL": self.service_database_urls.get(service or "", self.database_url),
             "PYTHONPATH": str(ROOT),
             "PYTHONUNBUFFERED": "1",
         }
@@ -409,9 +447,18 @@ class Stack:
 
 async def _wait_ready(url: str, names: list[str], timeout: float, stack: Stack) -> None:
     from shared import subjects
+    from shared.bus import connect
     from shared.messages import StatsGet, encode, envelope
 
-    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    auditor = stack.security.context("auditor", url) if stack.security else None
+    nc = await connect(
+        url,
+        "stack",
+        retry_for=timeout,
+        seed_file=auditor.nkey if auditor else None,
+        inbox_prefix=subjects.inbox_prefix("auditor") if auditor else None,
+        ca_file=auditor.ca if auditor else None,
+    )
     try:
         deadline = time.monotonic() + timeout
         for name in names:
@@ -445,7 +492,10 @@ def main() -> None:
     env = {
         "RACKPLANE_NATS_PORT": os.environ.get("RACKPLANE_NATS_PORT", "4222"),
         "RACKPLANE_PG_PORT": os.environ.get("RACKPLANE_PG_PORT", "5433"),
+        "RACKPLANE_FAULTS": os.environ.get("RACKPLANE_FAULTS", ""),  # make run FAULTS=1
+        "RACKPLANE_TLS": os.environ.get("RACKPLANE_TLS", ""),  # make run TLS=1
     }
+    faults = env["RACKPLANE_FAULTS"] not in ("", "0")
     stack = Stack(args.dir, os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL"), env)
     stopping = False
 
@@ -457,6 +507,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     try:
         stack.start()
+        if stack.security and stack.nats_url:
+            # rackctl's default context: the console identity (fleet and simulator operator, auditor),
+            # or with fault injection on, the test identity, the one the services take faults from
+            context = stack.security.write_context("default", "test" if faults else "console", stack.nats_url)
         print(f"rackplane is running (state and logs in {args.dir})")
         print(f"  NATS      {stack.nats_url}{'' if stack.nats else '  (from NATS_URL)'}")
         if stack.postgres:
@@ -466,7 +520,13 @@ def main() -> None:
             print("  Postgres  from DATABASE_URL")
         for name, svc in stack.services.items():
             print(f"  {name:<17} pid {svc.proc.pid if svc.proc else '-'}, log {svc.log_path}")
-        print(f"Try: NATS_URL={stack.nats_url} .venv/bin/rackctl sled list    (Ctrl-C stops everything)")
+        if stack.security:
+            print(f"  rackctl   context {context} ({'test' if faults else 'console'} identity)")
+            print(f"  Identities and credentials in {stack.security.store.dir}")
+        print(
+            "  Fault injection", "ON (RACKPLANE_FAULTS=1)" if faults else "off (make run FAULTS=1 enables it)"
+        )
+        print("Try: .venv/bin/rackctl sled list    (Ctrl-C stops everything)")
         while not stopping:
             for name, svc in stack.services.items():
                 if not svc.alive:

@@ -9,6 +9,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from rackctl import context as contexts
 from shared import bus, subjects
 from shared.config import DEFAULT_NATS_URL
 from shared.messages import (
@@ -59,10 +60,25 @@ class Client:
 
     @classmethod
     async def connect(
-        cls, url: str | None = None, timeout: float = 15.0, connect_within: float = 2.0
+        cls,
+        url: str | None = None,
+        timeout: float = 15.0,
+        connect_within: float = 2.0,
+        context: str | None = None,
     ) -> Client:
-        url = url or os.environ.get("NATS_URL", DEFAULT_NATS_URL)
-        return cls(await bus.connect(url, SOURCE, retry_for=connect_within), timeout)
+        """Connect with the credential of `context` (by default $RACKCTL_CONTEXT, else the `default`
+        context that `make run` writes: see rackctl/context.py); `url` overrides the context's URL."""
+        ctx = contexts.load(context)
+        url = url or os.environ.get("NATS_URL") or (ctx.url if ctx else DEFAULT_NATS_URL)
+        nc = await bus.connect(
+            url,
+            SOURCE,
+            retry_for=connect_within,
+            seed_file=ctx.nkey if ctx else None,
+            inbox_prefix=subjects.inbox_prefix(ctx.identity) if ctx and ctx.identity else None,
+            ca_file=ctx.ca if ctx else None,
+        )
+        return cls(nc, timeout)
 
     async def close(self) -> None:
         await self.nc.drain()

@@ -187,7 +187,7 @@ class Ctx:
         if self._client is None:
             limit = min(CONNECT_TIMEOUT, self.args.timeout)
             self._client = await Client.connect(
-                self.args.nats, timeout=self.args.timeout, connect_within=limit
+                self.args.nats, timeout=self.args.timeout, connect_within=limit, context=self.args.context
             )
         return self._client
 
@@ -1102,7 +1102,19 @@ async def chaos(ctx: Ctx) -> None:
         if d.get("counters"):
             print(f"injected so far: {_injected_text(d['counters'])}")
 
-    ctx.emit(await client.faults(a.service, body), human)
+    try:
+        reply = await client.faults(a.service, body)
+    except bus.CommandError as e:
+        if e.code in ("forbidden", "unavailable"):
+            raise Failure(f"{a.service}: {FAULTS_OFF} ({e.message})") from None
+        raise
+    ctx.emit(reply, human)
+
+
+FAULTS_OFF = (
+    "fault injection refused or off: the services take it only from the test identity, and only when "
+    "started with it enabled (make run FAULTS=1)"
+)
 
 
 def _chaos_text(f: dict[str, Any]) -> str | None:
@@ -1311,12 +1323,18 @@ def _pool_of(v: dict[str, Any]) -> str | None:
 
 def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
     """On the top parser with defaults; on every command too (suppressed defaults), so both orders work."""
-    nats_default = os.environ.get("NATS_URL") or DEFAULT_NATS_URL
     p.add_argument(
         "--nats",
         metavar="URL",
-        default=nats_default if defaults else argparse.SUPPRESS,
-        help=f"NATS server (default: $NATS_URL, else {DEFAULT_NATS_URL})",
+        default=os.environ.get("NATS_URL") or None if defaults else argparse.SUPPRESS,
+        help=f"NATS server (default: $NATS_URL, else the context's, else {DEFAULT_NATS_URL})",
+    )
+    p.add_argument(
+        "--context",
+        metavar="NAME",
+        default=None if defaults else argparse.SUPPRESS,
+        help="whose credential to use: a context name or file (default: $RACKCTL_CONTEXT, else the "
+        "`default` context that make run writes; see docs/security.md)",
     )
     p.add_argument(
         "--timeout",

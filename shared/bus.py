@@ -1,7 +1,7 @@
 """NATS and JetStream, the way every service uses them.
 
-- `connect`: a connection that reconnects forever (the default gives up after about two minutes).
-- `ensure_streams`: the streams of `shared.subjects.STREAMS`, created or brought up to date.
+- `connect`: a connection that reconnects forever (the default gives up after about two minutes), with
+  the client's own credential (an nkey seed), its private reply inbox, and TLS when a CA is given.
 - `publish`: one envelope to JetStream with `Nats-Msg-Id` (the broker drops repeats inside the window)
   and the trace context in headers.
 - `Consumer`: a durable pull consumer that acks only after its handler returned (so after the handler's
@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,7 +32,6 @@ from nats.js import JetStreamContext, api
 
 from shared import subjects, telemetry
 from shared.config import ack_wait as ack_wait_default
-from shared.config import duplicate_window
 from shared.crash import crash_point
 from shared.errors import transient
 from shared.faults import FAULTS
@@ -77,25 +78,53 @@ class Retry(Exception):
         self.delay = delay
 
 
-async def connect(url: str, name: str, *, retry_for: float = 30.0) -> NATS:
+async def connect(
+    url: str,
+    name: str,
+    *,
+    retry_for: float = 30.0,
+    seed_file: str | None = None,
+    inbox_prefix: str | None = None,
+    ca_file: str | None = None,
+) -> NATS:
     """Connect, waiting up to `retry_for` seconds for the broker to come up; reconnect forever after.
 
-    (nats-py retries a first connection forever when reconnects are unlimited, so the wait is bounded here.)
+    `seed_file` is the identity's nkey seed (deploy/identities.py); `inbox_prefix` its private inbox, the
+    only one its permissions let it read replies on; `ca_file` the CA that signed the server's certificate
+    (the connection then uses TLS). (nats-py retries a first connection forever when reconnects are
+    unlimited, so the wait is bounded here.)
     """
     last_error: list[Exception] = []
 
+    denials = Denials()
+
     async def on_error(e: Exception) -> None:
-        last_error[:] = [e]
+        if denials.note(e):
+            log.warning("%s: %s", name, e)
+            return
+        if not (last_error and "Authorization" in str(last_error[0])):  # the reason that matters most
+            last_error[:] = [e]
         log.warning("%s: nats error: %s", name, e)
 
+    connected: list[NATS] = []
+
     async def on_disconnect() -> None:
+        if connected and connected[0].is_closed:  # closed on purpose: nothing to warn about
+            return
         log.warning("%s: disconnected from nats", name)
 
     async def on_reconnect() -> None:
         log.info("%s: reconnected to nats", name)
 
+    options: dict[str, Any] = {}
+    if seed_file:
+        options["nkeys_seed"] = seed_file
+    if inbox_prefix:
+        options["inbox_prefix"] = inbox_prefix
+    if ca_file:
+        options["tls"] = ssl.create_default_context(cafile=ca_file)
     try:
-        return await asyncio.wait_for(
+        nc = await asyncio.wait_for(
             nats.connect(
                 url,
                 name=name,
@@ -105,28 +134,57 @@ async def connect(url: str, name: str, *, retry_for: float = 30.0) -> NATS:
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
+                **options,
             ),
             retry_for,
         )
     except (TimeoutError, OSError, nats.errors.Error) as e:
         why = last_error[0] if last_error else e
+        if "Authorization" in str(why):
+            whose = "a credential it does not accept" if seed_file else "no credential"
+            raise ConnectionError(
+                f"nats at {url} refused the connection (Authorization Violation): {whose} "
+                "(docs/security.md: rackctl takes its credential from a context)"
+            ) from None
         raise ConnectionError(f"cannot reach nats at {url} within {retry_for:g}s: {why}") from None
+    _DENIALS[nc] = denials
+    connected.append(nc)
+    return nc
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    for name, subs in subjects.STREAMS.items():
-        config = api.StreamConfig(
-            name=name,
-            subjects=subs,
-            storage=api.StorageType.FILE,
-            retention=api.RetentionPolicy.LIMITS,
-            duplicate_window=duplicate_window(),
-            max_age=7 * 24 * 3600.0,
-        )
-        try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await js.update_stream(config)
+class Denials:
+    """The broker's "Permissions Violation" errors on one connection, so that a request it refused fails
+    at once with a clear reason instead of waiting out its timeout."""
+
+    PREFIX = "nats: permissions violation for publish to "
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list[asyncio.Future[str]]] = {}
+
+    def note(self, e: Exception) -> bool:
+        text = str(e)
+        if "permissions violation" not in text.lower():
+            return False
+        if text.lower().startswith(self.PREFIX):
+            subject = text[len(self.PREFIX) :].strip().strip('"').lower()  # the error comes lowercased
+            for f in self.waiting.pop(subject, []):
+                if not f.done():
+                    f.set_result(text)
+        return True
+
+    def watch(self, subject: str) -> asyncio.Future[str]:
+        f: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(subject.lower(), []).append(f)
+        return f
+
+    def forget(self, subject: str, f: asyncio.Future[str]) -> None:
+        if f in (waiting := self.waiting.get(subject.lower(), [])):
+            waiting.remove(f)
+            if not waiting:
+                del self.waiting[subject.lower()]
+
+
+_DENIALS: weakref.WeakKeyDictionary[NATS, Denials] = weakref.WeakKeyDictionary()
 
 
 def msg_id_for(key: str) -> uuid.UUID:
@@ -393,9 +451,14 @@ async def _respond(msg: Msg, reply: Reply) -> None:
 async def request(nc: NATS, subject: str, body: Model, *, source: str, timeout: float = 10.0) -> Any:
     """Send a command and return the reply's data, or raise CommandError with the server's message."""
     env = envelope(body, source)
+    denials = _DENIALS.get(nc)
     try:
         with telemetry.span(f"send {subject}", **{"messaging.destination.name": subject}):
-            msg = await nc.request(subject, encode(env), timeout=timeout, headers=headers_for(env))
+            call = nc.request(subject, encode(env), timeout=timeout, headers=headers_for(env))
+            if denials is None:
+                msg = await call
+            else:
+                msg = await _unless_denied(call, subject, denials)
     except nats.errors.NoRespondersError:
         raise CommandError("unavailable", f"no service answers {subject}: is the stack running?") from None
     except nats.errors.TimeoutError:
@@ -405,3 +468,21 @@ async def request(nc: NATS, subject: str, body: Model, *, source: str, timeout: 
         err = reply.error or {}
         raise CommandError(err.get("code", "error"), err.get("message", "unknown error"))
     return reply.data
+
+
+async def _unless_denied(call: Awaitable[Msg], subject: str, denials: Denials) -> Msg:
+    """The reply, or a `forbidden` CommandError as soon as the broker says this client may not send there."""
+    denied = denials.watch(subject)
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait({task, denied}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise CommandError(
+                "forbidden", f"forbidden by the broker: this identity may not send on {subject}"
+            )
+        return task.result()
+    finally:
+        denials.forget(subject, denied)
+        if not task.done():
+            task.cancel()

@@ -31,6 +31,12 @@ class Settings:
     nats_url: str
     database_url: str
     log_level: str
+    nats_nkey_file: str | None = None
+    """The process's own NATS credential (an nkey seed file, deploy/identities.py)."""
+    nats_ca_file: str | None = None
+    """The CA of the server's TLS certificate; with it the connection uses TLS."""
+    faults: bool = False
+    """Whether the process answers fault injection requests (RACKPLANE_FAULTS=1; tests and chaos only)."""
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -40,6 +46,9 @@ class Settings:
             or _from_file("DATABASE_URL_FILE")
             or DEFAULT_DATABASE_URL,
             log_level=os.environ.get("RACKPLANE_LOG", "INFO"),
+            nats_nkey_file=os.environ.get("NATS_NKEY_FILE") or None,
+            nats_ca_file=os.environ.get("NATS_CA_FILE") or None,
+            faults=os.environ.get("RACKPLANE_FAULTS", "") not in ("", "0"),
         )
 
 

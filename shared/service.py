@@ -74,9 +74,12 @@ async def serve_stats(
     await bus.serve(nc, subjects.stats(service), {StatsGet: answer}, queue=service, check_silo=False)
 
 
-async def serve_faults(nc: Any, service: str) -> None:
+async def serve_faults(nc: Any, service: str, settings: Settings | None = None) -> None:
     """Answer `rp.svc.<service>.faults`: set or read this process's fault injection (shared/faults.py).
 
+    Only when the process was started with fault injection enabled (RACKPLANE_FAULTS=1): otherwise it
+    does not even subscribe, and a request finds no responder. The broker lets only the test identity
+    send these requests (deploy/identities.py).
     Every replica of the service subscribes (no queue group), so that each applies what it is asked; the
     requester sees the first reply.
     """
@@ -84,23 +87,35 @@ async def serve_faults(nc: Any, service: str) -> None:
     from shared.faults import FAULTS
     from shared.messages import ServiceFaults
 
+    if not (settings or Settings.from_env()).faults:
+        return
+
     async def answer(body: ServiceFaults, msg: Any) -> dict[str, Any]:
         FAULTS.configure(body)
         if body.clear or any(value is not None for name, value in body if name != "clear"):
             log.warning("%s: fault injection %s", service, FAULTS.describe()["faults"])
         return {"service": service, **FAULTS.describe()}
 
+    log.warning("%s: fault injection enabled (RACKPLANE_FAULTS)", service)
     await bus.serve(nc, subjects.faults(service), {ServiceFaults: answer}, queue="", check_silo=False)
 
 
-async def connect_bus(settings: Settings, service: str) -> tuple[Any, Any]:
-    """The service's NATS connection and JetStream context, with the streams in place."""
-    from shared import bus
+async def connect_bus(settings: Settings, service: str, identity: str | None = None) -> tuple[Any, Any]:
+    """The service's NATS connection (with its own credential and inbox) and JetStream context.
 
-    nc = await bus.connect(settings.nats_url, service)
-    js = nc.jetstream()
-    await bus.ensure_streams(js)
-    return nc, js
+    The streams are not created here: deploy does that with its stream-administrator identity
+    (deploy/streams.py), and no service holds stream-management rights.
+    """
+    from shared import bus, subjects
+
+    nc = await bus.connect(
+        settings.nats_url,
+        service,
+        seed_file=settings.nats_nkey_file,
+        inbox_prefix=subjects.inbox_prefix(identity or service),
+        ca_file=settings.nats_ca_file,
+    )
+    return nc, nc.jetstream()
 
 
 async def open_database(settings: Settings, schema: str, migrations: Path) -> Any:

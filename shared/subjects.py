@@ -111,3 +111,9 @@ SERVICES = ("sled-agent", "instance-manager", "accounting", "recovery")
 def faults(service: str) -> str:
     """A service's fault injection (request/reply): `rp.svc.<service>.faults`. Testing only."""
     return f"rp.svc.{service}.faults"
+
+
+def inbox_prefix(identity: str) -> str:
+    """An identity's private reply inbox (`nats.connect(inbox_prefix=...)`): its permissions let it, and
+    no one else, read the replies sent there (deploy/identities.py)."""
+    return f"_INBOX_{identity}"

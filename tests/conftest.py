@@ -36,10 +36,13 @@ FAST = {
     "RACKPLANE_ZOMBIE_GRACE": "2",
     "RACKPLANE_ACK_WAIT": "5",  # what a killed consumer held comes back in seconds, not half a minute
     "RACKPLANE_LOG": "INFO",
+    "RACKPLANE_FAULTS": "1",  # the services answer fault injection (from the test identity only)
 }
 
 
 Rack = tuple[Stack, Client, asyncpg.Pool]
+JetStreamAs = Callable[[str], Awaitable[Any]]
+"""`jetstream_as(identity)`: a JetStream context with that identity's credential."""
 
 
 def make_stack(name: str, **env: str) -> Stack:
@@ -84,6 +87,65 @@ def pg_template() -> Iterator[None]:
     finally:
         del os.environ["RACKPLANE_PG_TEMPLATE"]
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def identities() -> Iterator[Path]:
+    """One set of NATS identities for the whole run (every stack's server trusts them), and a rackctl
+    context with the test identity, so that every client and `rackctl` the tests start uses it."""
+    if os.environ.get("RACKPLANE_IDENTITIES"):
+        yield Path(os.environ["RACKPLANE_IDENTITIES"])
+        return
+    from deploy.identities import Store, standard
+    from rackctl.context import Context, write
+
+    folder = Path(tempfile.mkdtemp(prefix="rackplane-identities-"))
+    store = Store.init(folder / "identities", standard(sleds=64))
+    test = Context(url="nats://127.0.0.1:4222", nkey=str(store.seed_file("test")), identity="test")
+    saved = {k: os.environ.get(k) for k in ("RACKPLANE_IDENTITIES", "RACKCTL_CONTEXT")}
+    os.environ["RACKPLANE_IDENTITIES"] = str(store.dir)
+    os.environ["RACKCTL_CONTEXT"] = str(write("test", test, folder / "contexts"))
+    try:
+        yield store.dir
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def connect_as(stack: Stack, identity: str) -> Any:
+    """A NATS connection with one identity's credential (and its private inbox), on `stack`'s broker."""
+    from shared import bus, subjects
+
+    assert stack.security is not None and stack.nats_url
+    ctx = stack.security.context(identity, stack.nats_url)
+    return await bus.connect(
+        stack.nats_url,
+        f"test-as-{identity}",
+        retry_for=5,
+        seed_file=ctx.nkey,
+        inbox_prefix=subjects.inbox_prefix(identity),
+        ca_file=ctx.ca,
+    )
+
+
+@pytest.fixture
+async def jetstream_as(stack: Stack) -> AsyncIterator[JetStreamAs]:
+    """JetStream with one identity's credential, on the session stack: for tests that send, forged or
+    malformed, what only that identity may send (a sled's reports, instance-manager's deltas)."""
+    opened: list[Any] = []
+
+    async def open_as(identity: str) -> Any:
+        nc = await connect_as(stack, identity)
+        opened.append(nc)
+        return nc.jetstream()
+
+    yield open_as
+    for nc in opened:
+        await nc.close()
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from services.accounting.ledger import apply_delta
 from shared import bus, subjects
 from shared.db import create_pool
 from shared.messages import ProvisionDelta
-from tests.conftest import GiB, assert_invariants, counter, eventually, unique
+from tests.conftest import GiB, JetStreamAs, assert_invariants, counter, eventually, unique
 
 
 def lifecycle_deltas(
@@ -64,8 +64,10 @@ async def silo_ids(client: Client, db: asyncpg.Pool) -> tuple[str, str, uuid.UUI
     return silo, proj, uuid.UUID(s["id"]), uuid.UUID(p["id"])
 
 
-async def test_duplicated_and_reordered_deltas_give_the_same_totals(client: Client, db: asyncpg.Pool) -> None:
-    js = client.nc.jetstream()
+async def test_duplicated_and_reordered_deltas_give_the_same_totals(
+    client: Client, db: asyncpg.Pool, jetstream_as: JetStreamAs
+) -> None:
+    js = await jetstream_as("instance-manager")  # the only identity that may send deltas
     rng = random.Random(4277)
     once_silo, once_proj, once_silo_id, once_proj_id = await silo_ids(client, db)
     twice_silo, twice_proj, twice_silo_id, twice_proj_id = await silo_ids(client, db)

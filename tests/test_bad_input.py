@@ -16,7 +16,7 @@ from rackctl.client import Client
 from shared import subjects
 from shared.bus import MSG_ID
 from shared.messages import Reply
-from tests.conftest import GiB, counter, eventually, wait_state
+from tests.conftest import GiB, JetStreamAs, counter, eventually, wait_state
 
 
 def raw_envelope(schema: str, version: int, data: dict[str, Any]) -> bytes:
@@ -129,9 +129,9 @@ async def dead_letter(client: Client, service: str, consumer: str) -> Any:
     ],
 )
 async def test_a_bad_sled_report_is_dead_lettered_with_its_reason(
-    client: Client, payload: bytes, reason: str
+    client: Client, jetstream_as: JetStreamAs, payload: bytes, reason: str
 ) -> None:
-    js = client.nc.jetstream()
+    js = await jetstream_as("sled-0")
     before = await counter(client, "instance-manager", "instance-manager-vmm-reports.dead_lettered")
     mark = str(uuid.uuid4())
     await js.publish(subjects.sled_report("sled-0", "vmm"), payload, headers={MSG_ID: mark})
@@ -149,8 +149,8 @@ async def test_a_bad_sled_report_is_dead_lettered_with_its_reason(
     assert entry.headers["Rp-Dlq-Stream"] == subjects.SLED_REPORT_STREAM
 
 
-async def test_a_bad_delta_is_dead_lettered(client: Client) -> None:
-    js = client.nc.jetstream()
+async def test_a_bad_delta_is_dead_lettered(client: Client, jetstream_as: JetStreamAs) -> None:
+    js = await jetstream_as("instance-manager")
     payload = raw_envelope("rp.acct.delta", 1, {"instance_id": "nope"})
     await js.publish(subjects.provision_delta("s", "p"), payload, headers={MSG_ID: str(uuid.uuid4())})
 
@@ -163,9 +163,9 @@ async def test_a_bad_delta_is_dead_lettered(client: Client) -> None:
 
 
 async def test_services_go_on_serving_after_bad_input(
-    client: Client, db: asyncpg.Pool, project: tuple[str, str]
+    client: Client, db: asyncpg.Pool, project: tuple[str, str], jetstream_as: JetStreamAs
 ) -> None:
-    js = client.nc.jetstream()
+    js = await jetstream_as("sled-1")
     for i in range(5):
         await js.publish(
             subjects.sled_report("sled-1", "vmm"), b"junk", headers={MSG_ID: f"junk-{uuid.uuid4()}-{i}"}
@@ -192,8 +192,8 @@ async def test_a_command_on_another_verbs_subject_is_refused(
     assert (await client.instance("show", silo, proj, "keep"))["state"] == "stopped"
 
 
-async def test_a_sled_cannot_report_for_another_sled(client: Client) -> None:
-    js = client.nc.jetstream()
+async def test_a_sled_cannot_report_for_another_sled(client: Client, jetstream_as: JetStreamAs) -> None:
+    js = await jetstream_as("sled-3")  # its own credential, lying in the body
     report = raw_envelope(
         "rp.sled.vmm.report",
         1,
@@ -221,9 +221,11 @@ async def test_a_sled_cannot_report_for_another_sled(client: Client) -> None:
     )
 
 
-async def test_a_sled_command_on_another_verbs_subject_is_dead_lettered(client: Client) -> None:
+async def test_a_sled_command_on_another_verbs_subject_is_dead_lettered(
+    client: Client, jetstream_as: JetStreamAs
+) -> None:
     """A client allowed only `rp.sled.*.cmd.vmm.destroy` cannot start a VMM by sending an ensure there."""
-    js = client.nc.jetstream()
+    js = await jetstream_as("instance-manager")
     ensure = raw_envelope(
         "rp.sled.vmm.ensure",
         1,

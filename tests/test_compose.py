@@ -151,6 +151,15 @@ def test_service_reaches_nats_and_postgres_by_service_name(compose: dict[str, An
             )
 
 
+@pytest.mark.parametrize("module", SERVICES)
+def test_service_connects_with_its_own_identity(compose: dict[str, Any], module: str) -> None:
+    from deploy.security import SERVICE_IDENTITY
+
+    env = environment_of(compose["services"][compose_name(module)])
+    assert env["NATS_NKEY_FILE"] == f"/identities/{SERVICE_IDENTITY[module]}.nk"
+    assert "streams" in depends_on(compose["services"][compose_name(module)])
+
+
 def test_bind_mounts_exist_and_volumes_are_declared(compose: dict[str, Any]) -> None:
     declared = set(compose.get("volumes") or {})
     bound = set()
@@ -228,18 +237,33 @@ def test_lock_pins_every_runtime_dependency() -> None:
 # --- deploy/nats.conf, with the real nats-server --------------------------------------------------------
 
 
-def test_nats_config_is_valid() -> None:
+def as_in_compose(tmp_path: Path) -> Path:
+    """deploy/nats.conf and nats-tls.conf copied as compose mounts them, with the identities (and the
+    certificates) that compose's `identities` step makes beside them, in a temp folder."""
+    from deploy import identities, tls
+
+    identities.Store.init(tmp_path / "identities", identities.standard(sleds=2))
+    certs = tls.make(tmp_path / "identities" / "tls")
+    shutil.copy(NATS_CONF, tmp_path / "nats.conf")
+    text = (ROOT / "deploy" / "nats-tls.conf").read_text().replace("/etc/nats/identities/tls", str(certs.dir))
+    (tmp_path / "nats-tls.conf").write_text(text)
+    return tmp_path / "nats.conf"
+
+
+@pytest.mark.parametrize("name", ["nats.conf", "nats-tls.conf"])
+def test_nats_config_is_valid(tmp_path: Path, name: str) -> None:
+    conf = as_in_compose(tmp_path).with_name(name)
     out = subprocess.run(
-        [nats_server_binary(), "-t", "-c", str(NATS_CONF)], capture_output=True, text=True, timeout=30
+        [nats_server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30
     )
-    assert out.returncode == 0, f"nats-server -t rejects deploy/nats.conf:\n{out.stdout}{out.stderr}"
+    assert out.returncode == 0, f"nats-server -t rejects deploy/{name}:\n{out.stdout}{out.stderr}"
 
 
 @pytest.fixture
 def nats_from_config(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     """deploy/nats.conf running: a copy with its store in a temp folder, on free loopback ports."""
     store = tmp_path / "jetstream"
-    conf = tmp_path / "nats.conf"
+    conf = as_in_compose(tmp_path)
     text = NATS_CONF.read_text()
     conf.write_text(re.sub(r"(store_dir\s*[:=]\s*)\"?[^\"\s#]+\"?", rf'\1"{store}"', text))
     port, http_port = free_port(), free_port()
@@ -265,11 +289,22 @@ def nats_from_config(tmp_path: Path) -> Iterator[tuple[int, Path]]:
 
 async def test_nats_config_serves_jetstream(nats_from_config: tuple[int, Path]) -> None:
     port, store = nats_from_config
-    nc = await nats.connect(f"nats://127.0.0.1:{port}", connect_timeout=5, max_reconnect_attempts=0)
+    seed = store.parent / "identities" / "test.nk"
+    nc = await nats.connect(
+        f"nats://127.0.0.1:{port}",
+        connect_timeout=5,
+        max_reconnect_attempts=0,
+        nkeys_seed=str(seed),
+        inbox_prefix="_INBOX_test",
+    )
     try:
         assert await nc.jetstream().account_info() is not None
     finally:
         await nc.close()
+    from shared import bus
+
+    with pytest.raises(ConnectionError, match=r"(?i)authorization"):  # no credential, no connection
+        await bus.connect(f"nats://127.0.0.1:{port}", "anonymous", retry_for=3)
     assert store.is_dir(), "JetStream did not store under the configured store_dir"
 
 

@@ -27,8 +27,8 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         "RACKPLANE_PG_PORT": str(pg_port),
         "RACKPLANE_INVENTORY_INTERVAL": "1",
     }
-    env.pop("NATS_URL", None)
-    env.pop("DATABASE_URL", None)
+    for name in ("NATS_URL", "DATABASE_URL", "RACKCTL_CONTEXT", "RACKPLANE_IDENTITIES"):
+        env.pop(name, None)  # make run makes its own identities, and rackctl finds its default context
     proc = subprocess.Popen(
         ["make", "-s", "run"],
         cwd=ROOT,
@@ -52,7 +52,8 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         assert f"nats://127.0.0.1:{nats_port}" in output
         assert f"127.0.0.1:{pg_port}" in output
 
-        cli_env = {**env, "NATS_URL": f"nats://127.0.0.1:{nats_port}"}
+        assert (home / "contexts" / "default.json").exists()
+        cli_env = env  # no URL, no credential: the default context has both
 
         def sleds() -> list[dict[str, object]]:
             out = subprocess.run(
@@ -70,19 +71,24 @@ def test_make_run_starts_and_stops_the_stack() -> None:
             time.sleep(0.5)
         assert len(sleds()) == 8
 
+        def rackctl(*args: str) -> subprocess.CompletedProcess[str]:
+            cmd = [sys.executable, "-m", "rackctl.main", *args]
+            return subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=30)
+
+        assert (
+            rackctl("sim", "sled", "list").returncode == 0
+        )  # the default context includes simulator control
+        refused = rackctl("chaos", "accounting", "--timeout", "5")
+        assert refused.returncode == 1 and "make run FAULTS=1" in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+
         # The database logins are the stack's own, readable by its user only; `rackctl check` finds its
         # read-only one there without being told.
         logins = home / "secrets" / "db"
         assert logins.stat().st_mode & 0o777 == 0o700
         for role in ("instance_manager", "accounting", "recovery", "check"):
             assert (logins / f"{role}.url").stat().st_mode & 0o777 == 0o600
-        check = subprocess.run(
-            [sys.executable, "-m", "rackctl.main", "check", "--no-at-rest"],
-            env=cli_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        check = rackctl("check", "--no-at-rest")
         assert check.returncode == 0 and "every invariant holds" in check.stdout, check
     finally:
         os.killpg(proc.pid, signal.SIGINT)

@@ -14,7 +14,16 @@ from rackctl.client import Client
 from shared import bus, subjects
 from shared.bus import CommandError
 from shared.messages import PoolChanged, PoolView, SimFaults
-from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, unique, usage_is
+from tests.conftest import (
+    GiB,
+    Rack,
+    assert_invariants,
+    connect_as,
+    eventually,
+    private_rack,
+    unique,
+    usage_is,
+)
 
 CHARGE_OF = (
     "SELECT vcpus, ram_bytes, disk_bytes, generation FROM accounting.instance_charges WHERE instance_id = $1"
@@ -167,5 +176,9 @@ async def test_the_checker_would_see_a_vm_handed_out_twice(rack: Rack) -> None:
     await eventually(announced)
     v = await client.pool("show", silo, proj, pool)
     forged = PoolChanged(pool=PoolView.model_validate(v), change="picked", instance_id=picked["id"])
-    await bus.publish(js, subjects.event(silo, "pool", "changed"), forged, source="test")
+    im = await connect_as(rack[0], "instance-manager")  # the only identity that may publish pool events
+    try:
+        await bus.publish(im.jetstream(), subjects.event(silo, "pool", "changed"), forged, source="test")
+    finally:
+        await im.close()
     assert await pool_vms_handed_out_once(js) == [f"pool VM {picked['id']} was handed out 2 times"]

@@ -19,6 +19,7 @@ from tests.conftest import (
     GiB,
     Rack,
     assert_invariants,
+    connect_as,
     counter,
     eventually,
     private_rack,
@@ -212,11 +213,15 @@ async def test_a_zombie_vmm_is_destroyed(rack: MakeRack) -> None:
     from shared import bus, subjects
     from shared.messages import VmmEnsure
 
-    _, client, _ = await rack(RACKPLANE_SLEDS="1")
+    stack, client, _ = await rack(RACKPLANE_SLEDS="1")
     zombie = VmmEnsure(vmm_id=uuid.uuid4(), instance_id=uuid.uuid4(), vcpus=1, ram_bytes=GiB)
-    await bus.publish(
-        client.nc.jetstream(), subjects.sled_command("sled-0", "vmm.ensure"), zombie, source="test"
-    )
+    im = await connect_as(stack, "instance-manager")  # the only identity that may command a sled
+    try:
+        await bus.publish(
+            im.jetstream(), subjects.sled_command("sled-0", "vmm.ensure"), zombie, source="test"
+        )
+    finally:
+        await im.close()
 
     async def running(n: int) -> bool:
         return (await client.sim_sled("list"))[0]["vmms"] == n

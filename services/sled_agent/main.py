@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from services.sled_agent import identity
 from services.sled_agent.sled import SOURCE, Sled, Timing
 from shared import bus, subjects
 from shared.config import Settings, env_float, env_int
@@ -52,18 +54,25 @@ def timing_from_env() -> Timing:
 
 @dataclass
 class Simulator:
-    js: JetStreamContext
+    settings: Settings
     timing: Timing
     state_dir: Path | None
     sleds: dict[str, Sled] = field(default_factory=dict)
     _loops: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _connections: dict[str, NATS] = field(default_factory=dict)
 
-    def load_or_create(self) -> None:
+    async def _js(self, sled_id: str) -> JetStreamContext:
+        """The sled's own connection (its own credential): see identity.py."""
+        nc = await identity.connect(self.settings, sled_id)
+        self._connections[sled_id] = nc
+        return nc.jetstream()
+
+    async def load_or_create(self) -> None:
         """Sleds kept from an earlier run come back as they were; otherwise RACKPLANE_SLEDS new ones."""
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             for path in sorted(self.state_dir.glob("sled-*.json")):
-                sled = Sled.load(path, self.js, self.timing)
+                sled = Sled.load(path, await self._js(path.stem), self.timing)
                 self.sleds[sled.sled_id] = sled
         if self.sleds:
             log.info("resumed %d sleds from %s", len(self.sleds), self.state_dir)
@@ -72,11 +81,16 @@ class Simulator:
         shapes = [shape.split(":") for shape in os.environ.get("RACKPLANE_SLED_SHAPES", default).split(",")]
         for i in range(env_int("RACKPLANE_SLEDS", 8)):
             vcpus, ram_gib = shapes[i % len(shapes)]
-            self.add(int(vcpus), int(ram_gib) * GiB)
+            await self.add(int(vcpus), int(ram_gib) * GiB)
 
-    def add(self, vcpus: int, ram_bytes: int) -> Sled:
+    async def add(self, vcpus: int, ram_bytes: int) -> Sled:
         n = max((int(s.removeprefix("sled-")) for s in self.sleds), default=-1) + 1
-        sled = Sled(f"sled-{n}", vcpus, ram_bytes, self.js, self.timing, self.state_dir)
+        sled_id = f"sled-{n}"
+        try:
+            js = await self._js(sled_id)
+        except identity.NoCredential as e:
+            raise bus.CommandError("refused", str(e)) from None
+        sled = Sled(sled_id, vcpus, ram_bytes, js, self.timing, self.state_dir)
         sled._save(now=True)
         self.sleds[sled.sled_id] = sled
         return sled
@@ -84,7 +98,7 @@ class Simulator:
     def start(self, sled: Sled) -> None:
         sled.peer = self.sleds.get
         sled.resume()
-        self._loops[sled.sled_id] = asyncio.create_task(command_loop(self.js, sled))
+        self._loops[sled.sled_id] = asyncio.create_task(command_loop(sled.js, sled))
 
     def remove(self, sled_id: str) -> None:
         """The sled leaves the rack for good, without a word: it is never heard from again."""
@@ -92,6 +106,8 @@ class Simulator:
         if (loop := self._loops.pop(sled_id, None)) is not None:
             loop.cancel()
         sled.shut_down()
+        if (nc := self._connections.pop(sled_id, None)) is not None:
+            asyncio.get_running_loop().create_task(nc.close())
 
     def get(self, sled_id: str) -> Sled:
         sled = self.sleds.get(sled_id)
@@ -187,7 +203,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         return described
 
     async def add(body: SimSledAdd, msg: Msg) -> dict[str, Any]:
-        sled = sim.add(body.vcpus, body.ram_bytes)
+        sled = await sim.add(body.vcpus, body.ram_bytes)
         sim.start(sled)
         await announce(sled)
         return sled.describe()
@@ -207,10 +223,10 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
 
 
 async def main(settings: Settings) -> None:
-    nc, js = await connect_bus(settings, SOURCE)
+    nc, _ = await connect_bus(settings, SOURCE, identity="simulator")
     state_dir = os.environ.get("RACKPLANE_SIM_STATE")
-    sim = Simulator(js, timing_from_env(), Path(state_dir) if state_dir else None)
-    sim.load_or_create()
+    sim = Simulator(settings, timing_from_env(), Path(state_dir) if state_dir else None)
+    await sim.load_or_create()
     for sled in sim.sleds.values():
         sim.start(sled)
     await serve_control(nc, sim)

@@ -1,0 +1,459 @@
+"""Who may do what on the bus: every NATS identity, its permissions, its nkey, and the server's config.
+
+Each sled, service and operator is a NATS user identified by an nkey (an Ed25519 key pair: the server
+holds only the public key, the client signs the server's nonce with its seed). This module is the one
+place where permissions are defined; it writes
+
+- `<dir>/<identity>.nk`: the identity's seed (mode 0600), the credential handed to that one client;
+- `<dir>/identities.json`: which identities exist (name, kind, parameter), so that the config can be
+  written again after a sled or a silo operator is added;
+- `<dir>/auth.conf`: the `accounts` block of nats-server's config, every user with its permissions
+  (included by the server config: `include "auth.conf"`).
+
+    python -m deploy.identities init DIR [--sleds 32] [--silo acme ...]
+    python -m deploy.identities add-sled DIR [SLED_ID]       # then reload the server (SIGHUP)
+    python -m deploy.identities add-silo-operator DIR SILO   # likewise
+    python -m deploy.identities rotate DIR NAME              # a new seed for NAME; then reload
+    python -m deploy.identities matrix                       # the permission matrix, in Markdown
+
+docs/security.md explains the model; its matrix is this module's output (tests/test_security.py
+compares them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nkeys
+
+from shared import subjects
+from shared.messages import NAME_PATTERN
+
+ACCOUNT = "RACKPLANE"
+SERVICES = ("instance-manager", "accounting", "recovery", "simulator")
+"""Identities of the service processes (`simulator` is the sled-agent process's own connection)."""
+OPERATORS = ("stream-admin", "fleet-operator", "simulator-operator", "auditor", "console", "test")
+DEFAULT_SLEDS = 32
+"""Sled identities made up front: the simulator's sleds, and room for `rp.sim.sled.add`."""
+SLED_ID = re.compile(r"^sled-[0-9]{1,6}$")
+JS_INFO = "$JS.API.INFO"
+RECOVERY_ORDERS = ("rp.cmd.*.vmm.>", "rp.cmd.*.instance.restart", "rp.cmd.*.instance.settle")
+"""Commands only recovery sends: denied to every operator, whatever else they may send."""
+
+
+@dataclass(frozen=True)
+class Grants:
+    """Subjects an identity may publish to and subscribe on (deny beats allow), and whether it may
+    answer requests (`allow_responses`: publish once on the reply subject of a request it received)."""
+
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    publish_deny: tuple[str, ...] = ()
+    subscribe_deny: tuple[str, ...] = ()
+    responses: bool = False
+
+    def __or__(self, other: Grants) -> Grants:
+        def merge(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(a + b))
+
+        return Grants(
+            merge(self.publish, other.publish),
+            merge(self.subscribe, other.subscribe),
+            merge(self.publish_deny, other.publish_deny),
+            merge(self.subscribe_deny, other.subscribe_deny),
+            self.responses or other.responses,
+        )
+
+
+def consume(stream: str, durable: str, filter_subject: str) -> Grants:
+    """Create (with exactly this filter), inspect, pull from and ack one durable consumer, and nothing else.
+
+    The create subject carries the filter (`$JS.API.CONSUMER.CREATE.<stream>.<durable>.<filter>`, which
+    the server checks against the config's), so the durable cannot be re-pointed at others' messages."""
+    api = "$JS.API.CONSUMER"
+    return Grants(
+        publish=(
+            f"{api}.CREATE.{stream}.{durable}.{filter_subject}",
+            f"{api}.INFO.{stream}.{durable}",
+            f"{api}.MSG.NEXT.{stream}.{durable}",
+            f"$JS.ACK.{stream}.{durable}.>",
+        )
+    )
+
+
+def serves(*patterns: str) -> Grants:
+    """Answer requests on these subjects."""
+    return Grants(subscribe=patterns, responses=True)
+
+
+def service_common(service: str) -> Grants:
+    """Every service: its stats, its fault injection, and its dead letters."""
+    return serves(subjects.stats(service), subjects.faults(service)) | Grants(
+        publish=(JS_INFO, subjects.dead_letter(service, ">"))
+    )
+
+
+def sled_grants(sled_id: str) -> Grants:
+    durable = f"sled-agent-{sled_id}"
+    return consume(subjects.SLED_CMD_STREAM, durable, subjects.sled_command(sled_id, ">")) | Grants(
+        publish=(
+            JS_INFO,
+            subjects.sled_report(sled_id, ">"),
+            subjects.dead_letter("sled-agent", durable),
+        )
+    )
+
+
+def service_grants(name: str) -> Grants:
+    ev, rep = subjects.EVENTS_STREAM, subjects.SLED_REPORT_STREAM
+    if name == "instance-manager":
+        return (
+            service_common(name)
+            | serves(
+                *(subjects.command_pattern(r) for r in ("silo", "project", "instance", "sled", "vmm", "pool"))
+            )
+            | consume(rep, "instance-manager-vmm-reports", subjects.sled_report("*", "vmm"))
+            | consume(rep, "instance-manager-inventory", subjects.sled_report("*", "inventory"))
+            | consume(ev, "instance-manager-outcomes", subjects.event("*", "provision", "outcome"))
+            | Grants(
+                publish=(
+                    subjects.sled_command("*", ">"),
+                    subjects.provision_delta("*", "*"),
+                    subjects.event("*", "silo", "created"),
+                    subjects.event("*", "project", "created"),
+                    subjects.event("*", "instance", "changed"),
+                    subjects.event("*", "pool", "changed"),
+                    subjects.event(None, "sled", "changed"),
+                )
+            )
+        )
+    if name == "accounting":
+        return (
+            service_common(name)
+            | serves(subjects.command_pattern("usage"))
+            | consume(subjects.PROVISION_STREAM, "accounting-deltas", "rp.acct.delta.>")
+            | consume(ev, "accounting-silos", subjects.event("*", "silo", "created"))
+            | consume(ev, "accounting-projects", subjects.event("*", "project", "created"))
+            | Grants(
+                publish=(subjects.event("*", "usage", "changed"), subjects.event("*", "provision", "outcome"))
+            )
+        )
+    if name == "recovery":
+        return (
+            service_common(name)
+            | consume(ev, "recovery-instances", subjects.event("*", "instance", "changed"))
+            | consume(rep, "recovery-inventory", subjects.sled_report("*", "inventory"))
+            | consume(ev, "recovery-sleds", subjects.event(None, "sled", "changed"))
+            | Grants(
+                publish=(
+                    subjects.command(None, "vmm", ">"),
+                    subjects.command(None, "instance", "restart"),
+                    subjects.command(None, "instance", "settle"),
+                )
+            )
+        )
+    if name == "simulator":  # the sled-agent process's own connection; each sled has one of its own
+        return service_common("sled-agent") | serves(subjects.sim_control(">"))
+    raise ValueError(f"no service {name!r}")
+
+
+def silo_operator_grants(silo: str) -> Grants:
+    return Grants(
+        publish=(f"rp.cmd.{silo}.>",),
+        publish_deny=RECOVERY_ORDERS,
+        subscribe=(f"rp.evt.{silo}.>",),
+    )
+
+
+AUDITOR = Grants(
+    publish=(
+        JS_INFO,
+        "$JS.API.STREAM.NAMES",
+        "$JS.API.STREAM.LIST",
+        "$JS.API.STREAM.INFO.*",
+        "$JS.API.STREAM.MSG.GET.*",
+        "$JS.API.CONSUMER.NAMES.*",
+        "$JS.API.CONSUMER.LIST.*",
+        "$JS.API.CONSUMER.INFO.*.*",
+        # ephemeral (ordered) consumers on the streams it reads: the plain create subject refuses a durable
+        f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}",
+        f"$JS.API.CONSUMER.CREATE.{subjects.SLED_REPORT_STREAM}",
+        f"$JS.FC.{subjects.EVENTS_STREAM}.>",
+        f"$JS.FC.{subjects.SLED_REPORT_STREAM}.>",
+        subjects.stats("*"),
+    )
+)
+FLEET_OPERATOR = Grants(
+    publish=("rp.cmd.*.>", subjects.stats("*")), publish_deny=RECOVERY_ORDERS, subscribe=("rp.evt.>",)
+)
+SIMULATOR_OPERATOR = Grants(publish=(subjects.sim_control(">"),))
+FAULT_INJECTOR = Grants(publish=(subjects.faults("*"),))
+STREAM_ADMIN = Grants(
+    publish=(
+        JS_INFO,
+        "$JS.API.STREAM.NAMES",
+        "$JS.API.STREAM.INFO.*",
+        "$JS.API.STREAM.CREATE.*",
+        "$JS.API.STREAM.UPDATE.*",
+        "$JS.API.CONSUMER.CREATE.>",
+        "$JS.API.CONSUMER.DURABLE.CREATE.>",
+        "$JS.API.CONSUMER.INFO.>",
+        "$JS.API.CONSUMER.DELETE.>",
+        subjects.stats("*"),
+    )
+)
+TEST_CONSUMERS = Grants(
+    publish=(
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.EVENTS_STREAM}.*",
+        f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.*.>",
+        f"$JS.API.CONSUMER.DELETE.{subjects.EVENTS_STREAM}.*",
+        f"$JS.API.CONSUMER.MSG.NEXT.{subjects.EVENTS_STREAM}.*",
+        f"$JS.ACK.{subjects.EVENTS_STREAM}.>",
+    )
+)
+"""Tests follow EVENTS through durables of their own (a test identity only: operators never may)."""
+NEVER = ("$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")
+"""Denied to every identity: streams are created and updated by deploy, and never deleted or purged."""
+
+
+def operator_grants(name: str) -> Grants:
+    console = FLEET_OPERATOR | SIMULATOR_OPERATOR | AUDITOR
+    return {
+        "stream-admin": STREAM_ADMIN,
+        "fleet-operator": FLEET_OPERATOR,
+        "simulator-operator": SIMULATOR_OPERATOR,
+        "auditor": AUDITOR,
+        "console": console,
+        "test": console | FAULT_INJECTOR | TEST_CONSUMERS,
+    }[name]
+
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    kind: str
+    """sled, service, silo-operator or operator."""
+    param: str = ""
+
+    @property
+    def grants(self) -> Grants:
+        g = {
+            "sled": lambda: sled_grants(self.param),
+            "service": lambda: service_grants(self.param),
+            "silo-operator": lambda: silo_operator_grants(self.param),
+            "operator": lambda: operator_grants(self.param),
+        }[self.kind]()
+        return g | Grants(subscribe=(f"{subjects.inbox_prefix(self.name)}.>",), publish_deny=NEVER)
+
+    @property
+    def inbox(self) -> str:
+        return subjects.inbox_prefix(self.name)
+
+
+def sled(sled_id: str) -> Identity:
+    if not SLED_ID.match(sled_id):
+        raise ValueError(f"a sled id is sled-<number>, not {sled_id!r}")
+    return Identity(sled_id, "sled", sled_id)
+
+
+def silo_operator(silo: str) -> Identity:
+    if not re.match(NAME_PATTERN, silo):
+        raise ValueError(f"not a silo name: {silo!r}")
+    return Identity(f"silo-operator-{silo}", "silo-operator", silo)
+
+
+def standard(sleds: int = DEFAULT_SLEDS, silos: Iterable[str] = ()) -> list[Identity]:
+    """The identities of a rack: services, operators, `sleds` sleds, and the named silos' operators."""
+    return [
+        *(Identity(s, "service", s) for s in SERVICES),
+        *(Identity(o, "operator", o) for o in OPERATORS),
+        *(sled(f"sled-{i}") for i in range(sleds)),
+        *(silo_operator(s) for s in silos),
+    ]
+
+
+# --- the folder of credentials ---------------------------------------------------------------------------
+
+
+@dataclass
+class Store:
+    """A folder of identities: their seeds, the list of them, and the server config they make."""
+
+    dir: Path
+    identities: dict[str, Identity] = field(default_factory=dict)
+
+    @property
+    def manifest(self) -> Path:
+        return self.dir / "identities.json"
+
+    @property
+    def auth_conf(self) -> Path:
+        return self.dir / "auth.conf"
+
+    @property
+    def sleds_dir(self) -> Path:
+        """The sleds' seeds, apart from the others: the folder handed to the sled agent (the simulator)."""
+        return self.dir / "sleds"
+
+    def seed_file(self, name: str) -> Path:
+        identity = self.identities.get(name)
+        return (self.sleds_dir if identity and identity.kind == "sled" else self.dir) / f"{name}.nk"
+
+    @classmethod
+    def load(cls, dir: Path) -> Store:
+        store = cls(dir)
+        for row in json.loads(store.manifest.read_text()):
+            store.identities[row["name"]] = Identity(row["name"], row["kind"], row["param"])
+        return store
+
+    @classmethod
+    def init(cls, dir: Path, identities: Iterable[Identity]) -> Store:
+        """Make the folder (or complete it: existing seeds are kept) and write the server config."""
+        store = cls.load(dir) if (dir / "identities.json").exists() else cls(dir)
+        for identity in identities:
+            store.identities.setdefault(identity.name, identity)
+        store.write()
+        return store
+
+    def add(self, identity: Identity) -> Path:
+        self.identities[identity.name] = identity
+        self.write()
+        return self.seed_file(identity.name)
+
+    def rotate(self, name: str) -> Path:
+        """A new key pair for `name`: the old seed stops working once the server reloads its config."""
+        if name not in self.identities:
+            raise KeyError(f"no identity {name!r} in {self.dir}")
+        self.seed_file(name).unlink(missing_ok=True)
+        self.write()
+        return self.seed_file(name)
+
+    def write(self) -> None:
+        self.sleds_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        for name in self.identities:
+            path = self.seed_file(name)
+            if not path.exists():
+                seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(seed + b"\n")
+        rows = [{"name": i.name, "kind": i.kind, "param": i.param} for i in self.identities.values()]
+        _replace(self.manifest, json.dumps(rows, indent=1) + "\n")
+        _replace(self.auth_conf, self.config())
+
+    def public_key(self, name: str) -> str:
+        seed = bytearray(self.seed_file(name).read_bytes().strip())
+        return nkeys.from_seed(seed).public_key.decode()
+
+    def config(self) -> str:
+        """The `accounts` block: one account with JetStream, every identity a user in it."""
+        users = "".join(_user_conf(i, self.public_key(i.name)) for i in self.identities.values())
+        return (
+            "# Written by deploy/identities.py from identities.json: do not edit (regenerate instead).\n"
+            f"accounts {{\n  {ACCOUNT} {{\n    jetstream: enabled\n    users: [\n{users}    ]\n  }}\n}}\n"
+        )
+
+
+def _replace(path: Path, text: str) -> None:
+    scratch = path.with_name(f".{path.name}.tmp")
+    scratch.write_text(text)
+    os.replace(scratch, path)
+
+
+def _subject_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(json.dumps(s) for s in items) + "]"
+
+
+def _user_conf(identity: Identity, public_key: str) -> str:
+    g = identity.grants
+    publish = f"allow: {_subject_list(g.publish)}" + (f", deny: {_subject_list(g.publish_deny)}")
+    subscribe = f"allow: {_subject_list(g.subscribe)}" + (
+        f", deny: {_subject_list(g.subscribe_deny)}" if g.subscribe_deny else ""
+    )
+    responses = ", allow_responses: true" if g.responses else ""
+    return (
+        f"      # {identity.name}\n"
+        f"      {{nkey: {public_key}, permissions: {{publish: {{{publish}}}, "
+        f"subscribe: {{{subscribe}}}{responses}}}}}\n"
+    )
+
+
+# --- the permission matrix, for docs/security.md ---------------------------------------------------------
+
+
+def matrix() -> str:
+    """Every kind of identity and its grants, in Markdown, from the same definitions as the config
+    (one example of each per-sled and per-silo identity: `sled-7`, `silo-operator-acme`)."""
+    examples = [
+        *(Identity(s, "service", s) for s in SERVICES),
+        sled("sled-7"),
+        silo_operator("acme"),
+        *(Identity(o, "operator", o) for o in OPERATORS),
+    ]
+    out = []
+    for i in examples:
+        g = i.grants
+        out.append(f"#### `{i.name}`\n")
+        for label, items in (
+            ("publish", g.publish),
+            ("never publish", g.publish_deny),
+            ("subscribe", g.subscribe),
+            ("never subscribe", g.subscribe_deny),
+        ):
+            if items:
+                out.append(f"- {label}: " + ", ".join(f"`{s}`" for s in items))
+        out.append(f"- answers requests (`allow_responses`): {'yes' if g.responses else 'no'}\n")
+    return "\n".join(out)
+
+
+def next_sled_id(store: Store) -> str:
+    numbers = [int(i.param.removeprefix("sled-")) for i in store.identities.values() if i.kind == "sled"]
+    return f"sled-{max(numbers, default=-1) + 1}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m deploy.identities", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("init", help="make the identities of a rack and the server's auth.conf")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--sleds", type=int, default=DEFAULT_SLEDS)
+    p.add_argument("--silo", action="append", default=[], help="make an operator for this silo")
+    p = sub.add_parser("add-sled", help="a credential for a new sled (then reload the server)")
+    p.add_argument("dir", type=Path)
+    p.add_argument("sled_id", nargs="?")
+    p = sub.add_parser("add-silo-operator", help="a credential for a silo's operator (then reload)")
+    p.add_argument("dir", type=Path)
+    p.add_argument("silo")
+    p = sub.add_parser("rotate", help="a new key pair for an identity (then reload)")
+    p.add_argument("dir", type=Path)
+    p.add_argument("name")
+    sub.add_parser("matrix", help="print the permission matrix (Markdown)")
+    a = parser.parse_args(argv)
+    if a.command == "matrix":
+        sys.stdout.write(matrix())
+        return
+    if a.command == "init":
+        store = Store.init(a.dir, standard(a.sleds, a.silo))
+        print(f"{len(store.identities)} identities in {a.dir}; server config: {store.auth_conf}")
+        return
+    store = Store.load(a.dir)
+    if a.command == "add-sled":
+        path = store.add(sled(a.sled_id or next_sled_id(store)))
+    elif a.command == "add-silo-operator":
+        path = store.add(silo_operator(a.silo))
+    else:
+        path = store.rotate(a.name)
+    print(f"credential: {path}")
+    print(f"server config: {store.auth_conf}; reload the server to apply it (nats-server --signal reload)")
+
+
+if __name__ == "__main__":
+    main()

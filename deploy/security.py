@@ -1,0 +1,92 @@
+"""The broker's side of a stack: identities, the server's auth (and TLS) config, the streams, contexts.
+
+deploy/stack.py calls this; it keeps what a throwaway stack needs in one place:
+
+- the identities (deploy/identities.py), in `<stack>/identities`, or in $RACKPLANE_IDENTITIES when set
+  (the tests make one set per test run, for all their stacks);
+- with TLS (RACKPLANE_TLS=1, `make run TLS=1`), a CA and a server certificate (deploy/tls.py);
+- `nats-auth.conf`, included by the server's config: the accounts and users, and the `tls` block;
+- each service's environment: its own credential (NATS_NKEY_FILE), the CA (NATS_CA_FILE), and for the
+  sled agent the sleds' credentials (RACKPLANE_SLED_NKEYS);
+- contexts for rackctl (rackctl/context.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy import identities, streams, tls
+from rackctl import context as contexts
+
+SERVICE_IDENTITY = {
+    "sled_agent": "simulator",
+    "instance_manager": "instance-manager",
+    "accounting": "accounting",
+    "recovery": "recovery",
+}
+
+
+@dataclass
+class BrokerSecurity:
+    dir: Path
+    tls: bool = False
+    sleds: int = identities.DEFAULT_SLEDS
+    store: identities.Store = field(init=False)
+    certs: tls.Files | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        shared = os.environ.get("RACKPLANE_IDENTITIES")
+        folder = Path(shared) if shared else self.dir / "identities"
+        if shared and (folder / "identities.json").exists():
+            self.store = identities.Store.load(folder)
+        else:
+            self.store = identities.Store.init(folder, identities.standard(self.sleds))
+        if self.tls:
+            self.certs = tls.make(self.dir / "tls")
+
+    @property
+    def scheme(self) -> str:
+        return "tls" if self.tls else "nats"
+
+    @property
+    def ca_file(self) -> str | None:
+        return str(self.certs.ca) if self.certs else None
+
+    def server_conf(self) -> Path:
+        """The part of nats-server's config that is about who may connect: the accounts and users (an
+        include of the identities' `auth.conf`, so that a new identity needs only a reload) and TLS."""
+        path = self.dir / "nats-auth.conf"
+        text = f"include {json.dumps(os.path.relpath(self.store.auth_conf, self.dir))}\n"
+        if self.certs is not None:
+            text += self.certs.server_conf()
+        path.write_text(text)
+        return path
+
+    def seed(self, name: str) -> str:
+        return str(self.store.seed_file(name))
+
+    def service_env(self, service: str) -> dict[str, str]:
+        env = {"NATS_NKEY_FILE": self.seed(SERVICE_IDENTITY[service])}
+        if service == "sled_agent":
+            env["RACKPLANE_SLED_NKEYS"] = str(self.store.sleds_dir)
+        if self.ca_file:
+            env["NATS_CA_FILE"] = self.ca_file
+        return env
+
+    def context(self, name: str, url: str) -> contexts.Context:
+        return contexts.Context(url=url, nkey=self.seed(name), ca=self.ca_file, identity=name)
+
+    def write_context(self, context_name: str, identity: str, url: str) -> Path:
+        return contexts.write(context_name, self.context(identity, url), self.dir / "contexts")
+
+    def add(self, identity: identities.Identity) -> str:
+        """A new identity (a silo's operator, a sled): the server needs a reload to know it."""
+        seed = str(self.store.add(identity))
+        self.server_conf()
+        return seed
+
+    async def ensure_streams(self, url: str, window: float | None = None) -> None:
+        await streams.ensure(url, self.seed("stream-admin"), self.ca_file, window=window)

@@ -1,0 +1,76 @@
+"""The JetStream streams, created or brought up to date by deploy with the stream-administrator identity.
+
+No service holds stream-management rights (deploy/identities.py): `make run` (deploy/stack.py) and the
+compose init step (`python -m deploy.streams`) run this before the services start.
+
+    python -m deploy.streams    # with NATS_URL, NATS_NKEY_FILE (stream-admin's seed), NATS_CA_FILE
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.js.errors
+from nats.js import JetStreamContext, api
+
+from shared import bus, subjects
+from shared.config import Settings, duplicate_window
+
+MAX_AGE_S = 7 * 24 * 3600.0
+
+
+def configs(window: float | None = None) -> list[api.StreamConfig]:
+    """Every stream; `window` is the duplicate window (RACKPLANE_DUPLICATE_WINDOW when not given)."""
+    window = duplicate_window() if window is None else window
+    return [
+        api.StreamConfig(
+            name=name,
+            subjects=subs,
+            storage=api.StorageType.FILE,
+            retention=api.RetentionPolicy.LIMITS,
+            duplicate_window=window,
+            max_age=MAX_AGE_S,
+        )
+        for name, subs in subjects.STREAMS.items()
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, window: float | None = None) -> None:
+    for config in configs(window):
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(config)
+
+
+async def ensure(
+    url: str,
+    seed_file: str | None,
+    ca_file: str | None = None,
+    *,
+    retry_for: float = 30.0,
+    window: float | None = None,
+) -> None:
+    """Connect as the stream administrator and put the streams in place."""
+    nc = await bus.connect(
+        url,
+        "stream-admin",
+        retry_for=retry_for,
+        seed_file=seed_file,
+        inbox_prefix=subjects.inbox_prefix("stream-admin"),
+        ca_file=ca_file,
+    )
+    try:
+        await ensure_streams(nc.jetstream(), window)
+    finally:
+        await nc.close()
+
+
+def main() -> None:
+    s = Settings.from_env()
+    asyncio.run(ensure(s.nats_url, s.nats_nkey_file, s.nats_ca_file))
+    print(f"streams in place: {', '.join(subjects.STREAMS)}")
+
+
+if __name__ == "__main__":
+    main()

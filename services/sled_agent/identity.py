@@ -1,0 +1,50 @@
+"""Each simulated sled connects to NATS as itself: its own nkey, its own reply inbox, its own permissions
+(publish only its reports, consume only its own command consumer: deploy/identities.py).
+
+The sleds' credentials are `<sled id>.nk` files in RACKPLANE_SLED_NKEYS (made by deploy/identities.py,
+a pool of them up front). A sled without one cannot join: `rp.sim.sled.add` says how to provision it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+
+from shared import bus, subjects
+from shared.config import Settings
+
+
+class NoCredential(Exception):
+    pass
+
+
+def nkeys_dir() -> Path | None:
+    d = os.environ.get("RACKPLANE_SLED_NKEYS")
+    return Path(d) if d else None
+
+
+def seed_file(sled_id: str) -> Path | None:
+    """The sled's credential, or None when the broker asks for none (no RACKPLANE_SLED_NKEYS)."""
+    folder = nkeys_dir()
+    if folder is None:
+        return None
+    path = folder / f"{sled_id}.nk"
+    if not path.exists():
+        raise NoCredential(
+            f"no credential for {sled_id} in {folder}: provision one first "
+            f"(python -m deploy.identities add-sled, then reload nats-server; see docs/security.md)"
+        )
+    return path
+
+
+async def connect(settings: Settings, sled_id: str) -> NATS:
+    seed = seed_file(sled_id)
+    return await bus.connect(
+        settings.nats_url,
+        f"sled-agent/{sled_id}",
+        seed_file=str(seed) if seed else None,
+        inbox_prefix=subjects.inbox_prefix(sled_id),
+        ca_file=settings.nats_ca_file,
+    )

@@ -1,0 +1,469 @@
+"""The broker enforces who may do what (issue 11): every identity of deploy/identities.py, against a real
+nats-server with the generated config.
+
+- the permission matrix: every identity tries to publish to and subscribe on every subject family and
+  every JetStream API verb, on a bare server of its own (so that a wrong grant harms nothing else);
+  exactly what its grants allow succeeds, and the claims that matter are spelled out besides;
+- a sled cannot speak for another, command a service, or read another's commands; nothing changes;
+- no credential, no connection; a silo's operator cannot reach another silo's instances;
+- fault injection answers the test identity only, and only when enabled; simulator control only the
+  simulator operator (and the console and test identities, which include it);
+- TLS: a stack behind TLS works with its CA, and refuses a plain connection;
+- docs/security.md's matrix is the one the code makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+
+from deploy import identities
+from deploy.identities import Grants, Identity
+from deploy.security import BrokerSecurity
+from deploy.stack import Nats, Stack, free_port
+from rackctl.client import Client
+from shared import bus, subjects
+from shared.messages import InstanceList, ServiceFaults, SimSledList, SledList
+from tests.conftest import GiB, connect_as, eventually, make_stack, unique, wait_state
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- the matrix -------------------------------------------------------------------------------------------
+
+SUBJECTS = [
+    # operator commands
+    "rp.cmd._fleet.silo.create", "rp.cmd._fleet.sled.expunge", "rp.cmd._fleet.instance.list",
+    "rp.cmd._fleet.vmm.lost", "rp.cmd._fleet.vmm.zombie", "rp.cmd._fleet.instance.restart",
+    "rp.cmd._fleet.instance.settle", "rp.cmd.acme.instance.start", "rp.cmd.acme.instance.list",
+    "rp.cmd.acme.instance.restart", "rp.cmd.other.instance.delete", "rp.cmd.acme.usage.get",
+    # sleds
+    "rp.sled.sled-3.cmd.vmm.ensure", "rp.sled.sled-4.cmd.vmm.destroy", "rp.sled.sled-3.report.vmm",
+    "rp.sled.sled-3.report.inventory", "rp.sled.sled-4.report.vmm",
+    # accounting, events, dead letters
+    "rp.acct.delta.acme.web", "rp.evt.acme.instance.changed", "rp.evt.other.instance.changed",
+    "rp.evt.acme.provision.outcome", "rp.evt.acme.usage.changed", "rp.evt._fleet.sled.changed",
+    "rp.evt.acme.silo.created", "rp.dlq.accounting.accounting-deltas", "rp.dlq.sled-agent.sled-agent-sled-3",
+    "rp.dlq.sled-agent.sled-agent-sled-4",
+    # services, simulator
+    "rp.svc.accounting.stats", "rp.svc.accounting.faults", "rp.svc.sled-agent.faults", "rp.sim.sled.add",
+    "rp.sim.sled.list",
+    # JetStream API
+    "$JS.API.INFO", "$JS.API.STREAM.CREATE.PROBE", "$JS.API.STREAM.UPDATE.PROBE",
+    "$JS.API.STREAM.DELETE.EVENTS", "$JS.API.STREAM.PURGE.PROVISION", "$JS.API.STREAM.INFO.EVENTS",
+    "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "$JS.API.STREAM.MSG.GET.EVENTS",
+    "$JS.API.STREAM.MSG.DELETE.EVENTS", "$JS.API.STREAM.SNAPSHOT.EVENTS", "$JS.API.STREAM.RESTORE.PROBE",
+    "$JS.API.DIRECT.GET.EVENTS", "$JS.API.CONSUMER.CREATE.EVENTS", "$JS.API.CONSUMER.CREATE.SLED_CMD",
+    "$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-3.rp.sled.sled-3.cmd.>",
+    "$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-3.rp.sled.sled-4.cmd.>",
+    "$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-4.rp.sled.sled-4.cmd.>",
+    "$JS.API.CONSUMER.DURABLE.CREATE.SLED_CMD.sled-agent-sled-3",
+    "$JS.API.CONSUMER.INFO.SLED_CMD.sled-agent-sled-3",
+    "$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-3",
+    "$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-4",
+    "$JS.API.CONSUMER.DELETE.SLED_CMD.sled-agent-sled-3",
+    "$JS.API.CONSUMER.CREATE.PROVISION.accounting-deltas.rp.acct.delta.>",
+    "$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas",
+    "$JS.API.CONSUMER.DELETE.PROVISION.accounting-deltas",
+    "$JS.API.CONSUMER.LIST.EVENTS", "$JS.API.CONSUMER.NAMES.EVENTS", "$JS.API.CONSUMER.PAUSE.EVENTS.x",
+    "$JS.ACK.PROVISION.accounting-deltas.1.1.1.1.0", "$JS.ACK.SLED_CMD.sled-agent-sled-3.1.1.1.1.0",
+    "$JS.ACK.SLED_CMD.sled-agent-sled-4.1.1.1.1.0", "$JS.FC.EVENTS.x",
+    # inboxes
+    "_INBOX_test.x", "_INBOX_sled-3.x", "_INBOX_accounting.x",
+]  # fmt: skip
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching for a literal subject: `*` is one token, `>` one or more at the end."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def granted(allow: tuple[str, ...], deny: tuple[str, ...], subject: str) -> bool:
+    return any(matches(a, subject) for a in allow) and not any(matches(d, subject) for d in deny)
+
+
+def may_publish(g: Grants, subject: str) -> bool:
+    return granted(g.publish, g.publish_deny, subject)
+
+
+def may_subscribe(g: Grants, subject: str) -> bool:
+    return granted(g.subscribe, g.subscribe_deny, subject)
+
+
+PROBED = [
+    *identities.standard(sleds=8, silos=["acme"]),
+]
+PROBED = [i for i in PROBED if i.kind != "sled" or i.name == "sled-3"]
+
+
+@pytest.fixture(scope="module")
+async def bare(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Nats, BrokerSecurity]]:
+    """A nats-server with the generated config and the streams, and nothing else on it."""
+    folder = tmp_path_factory.mktemp("bare-nats")
+    shared = os.environ.pop("RACKPLANE_IDENTITIES", None)  # identities of its own, apart from the tests'
+    try:
+        security = BrokerSecurity(folder)
+    finally:
+        if shared is not None:
+            os.environ["RACKPLANE_IDENTITIES"] = shared
+    security.store.add(identities.silo_operator("acme"))
+    server = Nats(folder / "nats", port=free_port(), conf=security.server_conf()).start()
+    await security.ensure_streams(server.url)
+    yield server, security
+    server.stop()
+
+
+async def probe(server: Nats, security: BrokerSecurity, name: str) -> tuple[set[str], set[str]]:
+    """What the broker refused this identity: (subjects it may not publish to, nor subscribe on), in
+    lower case, as the server's error messages give them."""
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    nc = await nats.connect(
+        server.url,
+        nkeys_seed=security.seed(name),
+        inbox_prefix=subjects.inbox_prefix(name),
+        error_cb=on_error,
+        max_reconnect_attempts=0,
+    )
+    try:
+        for s in SUBJECTS:
+            await nc.subscribe(s)
+            await nc.publish(s, b"")
+        await nc.flush(5)
+        await asyncio.sleep(0.2)
+        await nc.flush(5)
+    finally:
+        await nc.close()
+    pub = {e.split('"')[1] for e in errors if "for publish to" in e.lower()}
+    sub = {e.split('"')[1] for e in errors if "for subscription to" in e.lower()}
+    return pub, sub
+
+
+@pytest.mark.parametrize("identity", PROBED, ids=lambda i: i.name)
+async def test_exactly_the_granted_subjects_succeed(
+    bare: tuple[Nats, BrokerSecurity], identity: Identity
+) -> None:
+    server, security = bare
+    denied_pub, denied_sub = await probe(server, security, identity.name)
+    g = identity.grants
+    assert {s.lower() for s in SUBJECTS if not may_publish(g, s)} == denied_pub
+    assert {s.lower() for s in SUBJECTS if not may_subscribe(g, s)} == denied_sub
+
+
+def publishers(subject: str) -> set[str]:
+    return {i.name for i in PROBED if may_publish(i.grants, subject)}
+
+
+def test_the_grants_that_matter() -> None:
+    """What the matrix must say, written out: who alone may do the dangerous things."""
+    nobody: set[str] = set()
+    for verb in (
+        "$JS.API.STREAM.DELETE.EVENTS",
+        "$JS.API.STREAM.PURGE.PROVISION",
+        "$JS.API.STREAM.MSG.DELETE.EVENTS",
+    ):
+        assert publishers(verb) == nobody
+    assert publishers("$JS.API.STREAM.CREATE.PROBE") == {"stream-admin"}
+    assert publishers("$JS.API.STREAM.UPDATE.PROBE") == {"stream-admin"}
+    assert publishers("rp.acct.delta.acme.web") == {"instance-manager"}
+    assert publishers("rp.sled.sled-4.cmd.vmm.destroy") == {"instance-manager"}
+    assert publishers("rp.evt.acme.provision.outcome") == {"accounting"}
+    assert publishers("rp.sled.sled-3.report.vmm") == {"sled-3"}
+    assert publishers("rp.sled.sled-4.report.vmm") == nobody
+    for order in (
+        "rp.cmd._fleet.vmm.lost",
+        "rp.cmd._fleet.instance.restart",
+        "rp.cmd._fleet.instance.settle",
+    ):
+        assert publishers(order) == {"recovery"}
+    assert publishers("rp.cmd._fleet.silo.create") == {"fleet-operator", "console", "test"}
+    assert publishers("rp.cmd.acme.instance.start") == {
+        "fleet-operator",
+        "console",
+        "test",
+        "silo-operator-acme",
+    }
+    assert publishers("rp.cmd.other.instance.delete") == {"fleet-operator", "console", "test"}
+    assert publishers("rp.svc.accounting.faults") == {"test"}
+    assert publishers("rp.sim.sled.add") == {"simulator-operator", "console", "test"}
+    assert publishers("$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-3") == {"sled-3"}
+    assert publishers("$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-3.rp.sled.sled-4.cmd.>") == {
+        "stream-admin"
+    }
+    assert publishers("$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas") == {"accounting"}
+    subscribers = {i.name for i in PROBED if may_subscribe(i.grants, "rp.evt.other.instance.changed")}
+    assert subscribers == {"fleet-operator", "console", "test"}
+    assert {i.name for i in PROBED if may_subscribe(i.grants, "_INBOX_sled-3.x")} == {"sled-3"}
+
+
+async def test_a_consumer_cannot_be_pointed_at_another_filter(bare: tuple[Nats, BrokerSecurity]) -> None:
+    """The create subject carries the filter, and the server holds the config to it: sled-3's durable
+    cannot be made to read sled-4's commands (the only create subject it may use names its own filter)."""
+    server, security = bare
+    nc = await nats.connect(server.url, nkeys_seed=security.seed("sled-3"), inbox_prefix="_INBOX_sled-3")
+    try:
+        config = {"name": "sled-agent-sled-3", "durable_name": "sled-agent-sled-3", "ack_policy": "explicit"}
+
+        async def create(filter_subject: str) -> dict[str, Any]:
+            body = {"stream_name": "SLED_CMD", "config": {**config, "filter_subject": filter_subject}}
+            subject = "$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-3.rp.sled.sled-3.cmd.>"
+            return json.loads((await nc.request(subject, json.dumps(body).encode(), timeout=2)).data)
+
+        assert "error" in await create("rp.sled.sled-4.cmd.>")
+        assert (await create("rp.sled.sled-3.cmd.>"))["config"]["filter_subject"] == "rp.sled.sled-3.cmd.>"
+    finally:
+        await nc.close()
+
+
+# --- sleds, silos, no credential --------------------------------------------------------------------------
+
+
+async def test_no_credential_no_connection(stack: Stack) -> None:
+    with pytest.raises(ConnectionError, match=r"(?i)authorization"):
+        await bus.connect(stack.nats_url or "", "anonymous", retry_for=2)
+
+
+async def test_a_sled_speaks_only_for_itself(stack: Stack, client: Client) -> None:
+    test_js = client.nc.jetstream()
+    before = await test_js.stream_info(subjects.SLED_REPORT_STREAM, subjects_filter="rp.sled.sled-1.>")
+    cmds_before = (await test_js.consumer_info(subjects.SLED_CMD_STREAM, "sled-agent-sled-1")).delivered
+    sled_list = await client.sled_list()
+    nc = await connect_as(stack, "sled-0")
+    try:
+        js = nc.jetstream(timeout=2)
+        with pytest.raises(nats.errors.TimeoutError):  # refused: the broker stores nothing, acks nothing
+            await js.publish(subjects.sled_report("sled-1", "inventory"), b"{}")
+        with pytest.raises(bus.CommandError, match="forbidden by the broker"):
+            await bus.request(nc, subjects.command(None, "sled", "list"), SledList(), source="x", timeout=5)
+        with pytest.raises(bus.CommandError, match="forbidden by the broker"):
+            await bus.request(nc, subjects.sim_control("sled.list"), SimSledList(), source="x", timeout=5)
+        with pytest.raises(nats.errors.TimeoutError):  # another's durable: not even its info
+            await js.consumer_info(subjects.SLED_CMD_STREAM, "sled-agent-sled-1")
+        with pytest.raises(nats.errors.TimeoutError):
+            sub = await js.pull_subscribe_bind("sled-agent-sled-1", subjects.SLED_CMD_STREAM)
+            await sub.fetch(1, timeout=2)
+        await nc.subscribe("rp.sled.sled-1.cmd.>")  # refused too (it would see only live commands anyway)
+        await nc.flush(2)
+    finally:
+        await nc.close()
+    after = await test_js.stream_info(subjects.SLED_REPORT_STREAM, subjects_filter="rp.sled.sled-1.>")
+    assert (
+        await test_js.consumer_info(subjects.SLED_CMD_STREAM, "sled-agent-sled-1")
+    ).delivered == cmds_before
+    assert await client.sled_list() is not None and len(sled_list) >= 8
+    # sled-1's own inventories go on arriving; what sled-0 sent in its name never did
+    reports = await test_js.get_last_msg(
+        subjects.SLED_REPORT_STREAM, subjects.sled_report("sled-1", "inventory")
+    )
+    assert b'"sled-1"' in reports.data and after.state.messages >= before.state.messages
+
+
+async def test_a_silo_operator_reaches_only_its_silo(stack: Stack, client: Client) -> None:
+    mine, theirs = unique("silo"), unique("silo")
+    for silo in (mine, theirs):
+        await client.silo_create(silo)
+        await client.project_create(silo, "web")
+    await client.instance_create(theirs, "web", "db", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+    _with_silo_operator(stack, mine)
+    assert stack.security is not None
+    context = stack.security.write_context(f"op-{mine}", f"silo-operator-{mine}", stack.nats_url or "")
+    op = await Client.connect(stack.nats_url, timeout=5, context=str(context))
+    try:
+        assert await op.instance_list(mine) == []
+        await op.instance_create(mine, "web", "app", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+        for call in (
+            op.instance_list(theirs),
+            op.instance_list(None),
+            op.instance("show", theirs, "web", "db"),
+            op.instance("start", theirs, "web", "db"),
+            op.instance("stop", theirs, "web", "db"),
+            op.instance("delete", theirs, "web", "db"),
+            op.sled_list(),
+            op.faults("accounting"),
+            op.call(
+                subjects.command(mine, "instance", "list"), InstanceList(silo=theirs)
+            ),  # refused by the service
+        ):
+            with pytest.raises(bus.CommandError) as refused:
+                await call
+            assert refused.value.code == "forbidden", refused.value
+    finally:
+        await op.close()
+    assert (await client.instance("show", theirs, "web", "db"))["state"] == "stopped"
+
+
+# --- fault injection and simulator control ----------------------------------------------------------------
+
+EVERYONE = [i.name for i in PROBED]
+
+
+def _with_silo_operator(stack: Stack, silo: str) -> None:
+    assert stack.security is not None and stack.nats is not None
+    if f"silo-operator-{silo}" not in stack.security.store.identities:
+        stack.security.add(identities.silo_operator(silo))
+    stack.security.server_conf()
+    stack.nats.reload()
+
+
+async def _refused(stack: Stack, name: str, subject: str, body: Any) -> bool:
+    nc = await connect_as(stack, name)
+    try:
+        await bus.request(nc, subject, body, source="x", timeout=5)
+        return False
+    except bus.CommandError as e:
+        return e.code == "forbidden"
+    finally:
+        await nc.close()
+
+
+async def test_fault_injection_answers_the_test_identity_only(stack: Stack) -> None:
+    _with_silo_operator(stack, "acme")
+    refused = [
+        n for n in EVERYONE if await _refused(stack, n, subjects.faults("accounting"), ServiceFaults())
+    ]
+    assert set(EVERYONE) - set(refused) == {"test"}
+
+
+async def test_simulator_control_answers_the_simulator_operator_only(stack: Stack) -> None:
+    _with_silo_operator(stack, "acme")
+    refused = [
+        n for n in EVERYONE if await _refused(stack, n, subjects.sim_control("sled.list"), SimSledList())
+    ]
+    assert set(EVERYONE) - set(refused) == {"simulator-operator", "console", "test"}
+
+
+async def test_fault_injection_is_off_unless_enabled() -> None:
+    s = make_stack("no-faults", RACKPLANE_FAULTS="0", RACKPLANE_SLEDS="1")
+    try:
+        s.start()
+        c = await Client.connect(s.nats_url, timeout=3)
+        try:
+            with pytest.raises(bus.CommandError) as off:
+                await c.faults("accounting")
+            assert off.value.code == "unavailable"
+        finally:
+            await c.close()
+    finally:
+        s.stop()
+        shutil.rmtree(s.dir, ignore_errors=True)
+
+
+# --- TLS --------------------------------------------------------------------------------------------------
+
+
+async def test_a_stack_behind_tls() -> None:
+    s = make_stack("tls", RACKPLANE_TLS="1", RACKPLANE_SLEDS="2")
+    try:
+        s.start()
+        assert s.nats_url and s.nats_url.startswith("tls://") and s.security is not None
+        context = s.security.write_context("tls", "test", s.nats_url)
+        c = await Client.connect(timeout=5, context=str(context))
+        try:
+            await eventually(lambda: _has_sleds(c, 2), timeout=20)
+            silo = unique("silo")
+            await c.silo_create(silo)
+            await c.project_create(silo, "web")
+            await c.instance_create(silo, "web", "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+            await c.instance("start", silo, "web", "vm")
+            await wait_state(c, silo, "web", "vm", "running")
+        finally:
+            await c.close()
+        plain = s.nats_url.replace("tls://", "nats://")
+        with pytest.raises(ConnectionError):  # no CA: the server's certificate is not trusted
+            await bus.connect(plain, "no-ca", retry_for=2, seed_file=s.security.seed("test"))
+    finally:
+        s.stop()
+        shutil.rmtree(s.dir, ignore_errors=True)
+
+
+async def _has_sleds(c: Client, n: int) -> bool:
+    return len(await c.sled_list()) >= n
+
+
+# --- the documented matrix --------------------------------------------------------------------------------
+
+
+def test_docs_show_the_generated_matrix() -> None:
+    """docs/security.md holds `python -m deploy.identities matrix`'s output between its markers."""
+    text = (ROOT / "docs" / "security.md").read_text()
+    begin, end = "<!-- matrix: begin -->\n", "<!-- matrix: end -->"
+    assert begin in text and end in text
+    shown = text.split(begin, 1)[1].split(end, 1)[0]
+    assert shown == identities.matrix(), "docs/security.md is stale: run `python -m deploy.identities matrix`"
+
+
+async def test_rackctl_check_runs_with_the_auditor_identity(stack: Stack, db: Any) -> None:
+    """The broker's checks (consumers, inventories, pool events) need nothing but the auditor's reads: a
+    missing grant would make one of them fail (time out) instead of coming back clean."""
+    from rackctl.check import check
+
+    auditor = await connect_as(stack, "auditor")
+    try:
+        js = auditor.jetstream(timeout=5)
+
+        async def clean() -> bool:
+            async with db.acquire() as conn:
+                return not await check(conn, at_rest=True, js=js)
+
+        await eventually(clean, timeout=20)
+    finally:
+        await auditor.close()
+
+
+async def test_add_a_sled_then_rotate_its_credential(bare: tuple[Nats, BrokerSecurity]) -> None:
+    """docs/security.md's procedures: `add-sled` and a reload let a new sled in; `rotate` and a reload
+    shut its old key out."""
+    server, security = bare
+    folder = security.store.dir
+    new = identities.next_sled_id(security.store)
+    identities.main(["add-sled", str(folder)])
+    security.store = identities.Store.load(folder)
+    assert new in security.store.identities
+    server.reload()
+
+    async def reports(seed: str) -> None:
+        nc = await bus.connect(
+            server.url, new, retry_for=3, seed_file=seed, inbox_prefix=subjects.inbox_prefix(new)
+        )
+        try:
+            await nc.jetstream(timeout=2).publish(subjects.sled_report(new, "inventory"), b"{}")
+        finally:
+            await nc.close()
+
+    old_seed = security.store.seed_file(new).read_bytes()
+    await reports(security.seed(new))
+    identities.main(["rotate", str(folder), new])
+    assert security.store.seed_file(new).read_bytes() != old_seed
+    server.reload()
+    await reports(security.seed(new))
+    stale = folder / "stale.nk"
+    stale.write_bytes(old_seed)
+    with pytest.raises(ConnectionError, match="refused"):
+        await reports(str(stale))
+
+
+def test_a_sled_without_a_credential_cannot_join(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.sled_agent import identity
+
+    monkeypatch.setenv("RACKPLANE_SLED_NKEYS", str(tmp_path))
+    (tmp_path / "sled-0.nk").write_text("seed")
+    assert identity.seed_file("sled-0") == tmp_path / "sled-0.nk"
+    with pytest.raises(identity.NoCredential, match="add-sled"):
+        identity.seed_file("sled-1")
