@@ -31,11 +31,10 @@ from urllib.parse import quote
 
 import asyncpg
 
+from deploy import dbroles
 from deploy.identities import DEFAULT_SLEDS
 from deploy.security import BrokerSecurity
 from deploy.streams import ensure as ensure_streams
-
-from deploy import dbroles
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
