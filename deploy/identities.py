@@ -172,6 +172,13 @@ def silo_operator_grants(silo: str) -> Grants:
     )
 
 
+AUDITED_STREAMS = (
+    subjects.EVENTS_STREAM,
+    subjects.SLED_REPORT_STREAM,
+    subjects.SLED_CMD_STREAM,
+    subjects.DLQ_STREAM,
+)
+"""What the auditor reads: events, what the sleds said, what they were ordered, and the dead letters."""
 AUDITOR = Grants(
     publish=(
         JS_INFO,
@@ -183,11 +190,11 @@ AUDITOR = Grants(
         "$JS.API.CONSUMER.LIST.*",
         "$JS.API.CONSUMER.INFO.*.*",
         # ephemeral (ordered) consumers on the streams it reads: the plain create subject refuses a durable
-        f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}",
-        f"$JS.API.CONSUMER.CREATE.{subjects.SLED_REPORT_STREAM}",
-        f"$JS.FC.{subjects.EVENTS_STREAM}.>",
-        f"$JS.FC.{subjects.SLED_REPORT_STREAM}.>",
+        *(f"$JS.API.CONSUMER.CREATE.{stream}" for stream in AUDITED_STREAMS),
+        *(f"$JS.FC.{stream}.>" for stream in AUDITED_STREAMS),
         subjects.stats("*"),
+        # each sled's boot history (the checker holds failures against it): a read, never a change
+        subjects.sim_control("sled.list"),
     )
 )
 FLEET_OPERATOR = Grants(

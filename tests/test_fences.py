@@ -35,6 +35,7 @@ from tests.conftest import (
     GiB,
     Rack,
     assert_invariants,
+    connect_as,
     counter,
     eventually,
     private_rack,
@@ -79,14 +80,18 @@ async def running(
     return {n: await wait_state(client, silo, proj, n, "running") for n in names}
 
 
-async def order(client: Client, body: Model) -> Any:
-    """Send one of recovery's orders as recovery would, on its fleet subject."""
+async def order(stack: Stack, body: Model) -> Any:
+    """Send one of recovery's orders as recovery would: with its credential, on its fleet subject."""
     resource, verb = {
         VmmLost: ("vmm", "lost"),
         VmmStuck: ("vmm", "stuck"),
         VmmZombie: ("vmm", "zombie"),
     }[type(body)]
-    return await bus.request(client.nc, subjects.command(None, resource, verb), body, source="recovery")
+    nc = await connect_as(stack, "recovery")
+    try:
+        return await bus.request(nc, subjects.command(None, resource, verb), body, source="recovery")
+    finally:
+        await nc.close()
 
 
 async def sled_boot(client: Client, sled_id: str) -> int:
@@ -142,7 +147,7 @@ async def _on(client: Client, silo: str, proj: str, name: str, sled_id: str) -> 
 
 async def test_orders_decided_on_an_old_view_are_refused_as_stale(rack: MakeRack) -> None:
     """A stuck-check, a lost-VMM and a zombie order that a lagging recovery would send change nothing."""
-    _, client, db = await rack(RACKPLANE_SLEDS="2")
+    stack, client, db = await rack(RACKPLANE_SLEDS="2")
     silo, proj = await new_project(client)
     v = (await running(client, silo, proj, ["vm"]))["vm"]
     vmm, gen = uuid.UUID(v["active_vmm_id"]), v["generation"]
@@ -165,7 +170,7 @@ async def test_orders_decided_on_an_old_view_are_refused_as_stale(rack: MakeRack
     ]
     for body in refused:
         with pytest.raises(bus.CommandError) as e:
-            await order(client, body)
+            await order(stack, body)
         assert e.value.code == "stale", (body, e.value.message)
     assert await counter(client, "instance-manager", "orders.stale.stuck") == 2
     assert await counter(client, "instance-manager", "orders.stale.lost") == 1
@@ -335,7 +340,7 @@ async def test_the_checker_reports_a_wrongful_kill_and_nothing_after_a_real_rebo
     """With the fence switched off on purpose, a lost-VMM order that claims a reboot that never happened
     fails a healthy instance: the checker, holding the failure against the sled's boot history, says so.
     A real reboot's failures it accepts."""
-    _, client, db = await rack(RACKPLANE_SLEDS="2")
+    stack, client, db = await rack(RACKPLANE_SLEDS="2")
     silo, proj = await new_project(client)
     started = await running(client, silo, proj, ["victim", "rebooted"])
     v = started["victim"]
@@ -359,7 +364,7 @@ async def test_the_checker_reports_a_wrongful_kill_and_nothing_after_a_real_rebo
         vmm_boot=boot,
         sled_boot=boot + 1,
     )
-    await order(client, lie)
+    await order(stack, lie)
     await client.clear_faults()
     await wait_state(client, silo, proj, "victim", "stopped")
     async with db.acquire() as conn:

@@ -16,7 +16,7 @@ from shared import messages as m
 from shared import subjects
 from shared.bus import MSG_ID
 from shared.messages import ProvisionDelta, ProvisionOutcome, encode, envelope
-from tests.conftest import GiB, counter, eventually, unique, usage_is, wait_state
+from tests.conftest import GiB, JetStreamAs, counter, eventually, unique, usage_is, wait_state
 from tests.test_bad_input import dead_letter
 
 
@@ -48,11 +48,11 @@ async def totals(db: asyncpg.Pool) -> list[tuple[Any, ...]]:
     return [tuple(r) for r in rows]
 
 
-async def publish_delta(client: Client, silo: str, project: str, d: ProvisionDelta) -> bytes:
+async def publish_delta(js: Any, silo: str, project: str, d: ProvisionDelta) -> bytes:
+    """Sent with instance-manager's credential: the broker lets only it publish deltas, so a forgery
+    reaching accounting comes from a compromised or buggy instance-manager."""
     payload = encode(envelope(d, "forger"))
-    await client.nc.jetstream().publish(
-        subjects.provision_delta(silo, project), payload, headers={MSG_ID: str(uuid.uuid4())}
-    )
+    await js.publish(subjects.provision_delta(silo, project), payload, headers={MSG_ID: str(uuid.uuid4())})
     return payload
 
 
@@ -77,8 +77,9 @@ def delta(project_id: uuid.UUID, silo_id: uuid.UUID, instance_id: uuid.UUID | No
 
 
 async def test_forged_deltas_are_dead_lettered_with_the_reason_and_charge_nothing(
-    client: Client, db: asyncpg.Pool
+    client: Client, db: asyncpg.Pool, jetstream_as: JetStreamAs
 ) -> None:
+    im = await jetstream_as("instance-manager")
     a, pa, a_id, pa_id = await new_project(client, db)
     _, pa2, _, pa2_id = await new_project(client, db, a)
     b, pb, b_id, pb_id = await new_project(client, db)
@@ -98,7 +99,7 @@ async def test_forged_deltas_are_dead_lettered_with_the_reason_and_charge_nothin
         ((a, pa2), delta(pa2_id, a_id, uuid.UUID(real)), f"forged: instance {real} is charged to project"),
     ]
     for (silo, proj), d, reason in cases:
-        entry = await parked(client, await publish_delta(client, silo, proj, d))
+        entry = await parked(client, await publish_delta(im, silo, proj, d))
         assert entry.headers["Rp-Dlq-Reason"].startswith(reason), entry.headers
     assert await totals(db) == before
     assert not await db.fetchval(
@@ -172,12 +173,14 @@ def test_no_sum_of_charges_at_their_limits_can_overflow_a_bigint() -> None:
     assert m.MAX_TOTAL + 10_000 * biggest < 2**63
 
 
-async def test_an_oversized_delta_on_the_bus_is_dead_lettered(client: Client) -> None:
+async def test_an_oversized_delta_on_the_bus_is_dead_lettered(
+    client: Client, jetstream_as: JetStreamAs
+) -> None:
     from tests.test_bad_input import raw_envelope
 
     data = delta(uuid.uuid4(), uuid.uuid4()).model_dump(mode="json") | {"disk_bytes": 2**62}
     payload = raw_envelope("rp.acct.delta", 1, data)
-    await client.nc.jetstream().publish(
+    await (await jetstream_as("instance-manager")).publish(
         subjects.provision_delta("s", "p"), payload, headers={MSG_ID: str(uuid.uuid4())}
     )
     entry = await parked(client, payload)
@@ -185,7 +188,7 @@ async def test_an_oversized_delta_on_the_bus_is_dead_lettered(client: Client) ->
 
 
 async def test_an_unsolicited_outcome_changes_nothing(
-    client: Client, db: asyncpg.Pool, project: tuple[str, str]
+    client: Client, db: asyncpg.Pool, project: tuple[str, str], jetstream_as: JetStreamAs
 ) -> None:
     silo, proj = project
     await client.instance_create(silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
@@ -201,7 +204,7 @@ async def test_an_unsolicited_outcome_changes_nothing(
         ProvisionOutcome(instance_id=uuid.UUID(v["id"]), generation=10**6, outcome=m.Outcome.refused),
         ProvisionOutcome(instance_id=uuid.uuid4(), generation=1, outcome=m.Outcome.applied),
     ]
-    js = client.nc.jetstream()
+    js = await jetstream_as("accounting")  # the only identity that may publish outcomes
     for o in forged:
         await js.publish(
             subjects.event(silo, "provision", "outcome"),

@@ -32,7 +32,7 @@ from deploy.security import BrokerSecurity
 from deploy.stack import Nats, Stack, free_port
 from rackctl.client import Client
 from shared import bus, subjects
-from shared.messages import InstanceList, ServiceFaults, SimSledList, SledList
+from shared.messages import InstanceList, ServiceFaults, SimSledFreeze, SimSledList, SledList
 from tests.conftest import GiB, connect_as, eventually, make_stack, unique, wait_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,6 +189,8 @@ def test_the_grants_that_matter() -> None:
     assert publishers("rp.sled.sled-4.report.vmm") == nobody
     for order in (
         "rp.cmd._fleet.vmm.lost",
+        "rp.cmd._fleet.vmm.stuck",
+        "rp.cmd._fleet.vmm.zombie",
         "rp.cmd._fleet.instance.restart",
         "rp.cmd._fleet.instance.settle",
     ):
@@ -342,11 +344,16 @@ async def test_fault_injection_answers_the_test_identity_only(stack: Stack) -> N
 
 
 async def test_simulator_control_answers_the_simulator_operator_only(stack: Stack) -> None:
+    """Only the simulator operator changes the simulated hardware; the auditor may also read the sleds'
+    boot histories (the checker holds failures against them)."""
     _with_silo_operator(stack, "acme")
+    ghost = SimSledFreeze(sled_id="sled-999")  # names no sled: an allowed sender gets not_found, no change
+    refused = [n for n in EVERYONE if await _refused(stack, n, subjects.sim_control("sled.freeze"), ghost)]
+    assert set(EVERYONE) - set(refused) == {"simulator-operator", "console", "test"}
     refused = [
         n for n in EVERYONE if await _refused(stack, n, subjects.sim_control("sled.list"), SimSledList())
     ]
-    assert set(EVERYONE) - set(refused) == {"simulator-operator", "console", "test"}
+    assert set(EVERYONE) - set(refused) == {"simulator-operator", "auditor", "console", "test"}
 
 
 async def test_fault_injection_is_off_unless_enabled() -> None:

@@ -21,7 +21,9 @@ from typing import Any
 import nats.errors
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+from nats.aio.client import Client as NATS
 
+from deploy import identities
 from rackctl.check import consumers_settled
 from rackctl.client import Client
 from shared import subjects
@@ -35,7 +37,7 @@ from shared.messages import (
     decode,
     registry,
 )
-from tests.conftest import GiB, assert_invariants, private_rack, wait_state
+from tests.conftest import GiB, assert_invariants, connect_as, private_rack, wait_state
 from tests.fuzz.strategies import Real, Shot, shots
 
 MESSAGES = int(os.environ.get("FUZZ_MESSAGES") or "400")
@@ -59,12 +61,13 @@ def command_targets(silo: str) -> list[tuple[str, list[type[Model]]]]:
 
 
 def targets(silo: str) -> list[tuple[str, str, list[type[Model]]]]:
-    """(identity, subject, the schemas that belong there) for each outside identity."""
+    """(identity, subject, the schemas that belong there) for each outside identity: each sends only on
+    the subjects its own permissions allow (deploy/identities.py), with its own credential."""
     out: list[tuple[str, str, list[type[Model]]]] = []
-    out += [("sled", subjects.sled_report("sled-0", "vmm"), [VmmReport])]
-    out += [("sled", subjects.sled_report("sled-0", "inventory"), [SledInventory])]
+    out += [("sled-0", subjects.sled_report("sled-0", "vmm"), [VmmReport])]
+    out += [("sled-0", subjects.sled_report("sled-0", "inventory"), [SledInventory])]
     out += [("fleet-operator", s, m) for s, m in command_targets(subjects.FLEET)]
-    out += [("silo-operator", s, m) for s, m in command_targets(silo)]
+    out += [(f"silo-operator-{silo}", s, m) for s, m in command_targets(silo)]
     out += [("simulator-operator", subjects.sim_control("sled.list"), [SimSledList])]
     return out
 
@@ -104,14 +107,14 @@ def decodable(payload: bytes) -> bool:
     return True
 
 
-async def fire(client: Client, shot: Shot, outcomes: Counter[str], problems: list[str]) -> bool:
+async def fire(nc: NATS, shot: Shot, outcomes: Counter[str], problems: list[str]) -> bool:
     """Send one message; return whether the broker stored it in a stream."""
     try:
         if is_stream(shot.subject):
-            await client.nc.jetstream().publish(shot.subject, shot.payload, timeout=10)
+            await nc.jetstream().publish(shot.subject, shot.payload, timeout=10)
             outcomes["stored"] += 1
             return True
-        raw = await client.nc.request(shot.subject, shot.payload, timeout=20)
+        raw = await nc.request(shot.subject, shot.payload, timeout=20)
     except nats.errors.MaxPayloadError:
         outcomes["too large for the broker"] += 1
         return False
@@ -167,16 +170,25 @@ async def test_hostile_messages_are_refused_or_dead_lettered_and_nothing_breaks(
             names=["vm"],
         )
         drawn = draw_shots(silo, real, MESSAGES)
+        assert stack.security is not None and stack.nats is not None
+        if f"silo-operator-{silo}" not in stack.security.store.identities:
+            stack.security.add(identities.silo_operator(silo))
+        stack.nats.reload()
+        senders = {name: await connect_as(stack, name) for name in {i for i, _ in drawn}}
         outcomes: Counter[str] = Counter()
         problems: list[str] = []
         stored_undecodable: list[Shot] = []
         started = time.monotonic()
         for batch in chunks(drawn, 32):
-            stored = await asyncio.gather(*(fire(client, shot, outcomes, problems) for _, shot in batch))
+            stored = await asyncio.gather(
+                *(fire(senders[who], shot, outcomes, problems) for who, shot in batch)
+            )
             stored_undecodable += [
                 s for (_, s), kept in zip(batch, stored, strict=True) if kept and not decodable(s.payload)
             ]
         took = time.monotonic() - started
+        for nc in senders.values():
+            await nc.close()
         print(f"\nfuzz: {len(drawn)} messages in {took:.1f}s, seed {SEED}: {dict(sorted(outcomes.items()))}")
         print(f"  kinds: {dict(Counter(s.kind for _, s in drawn))}")
         print(f"  identities: {dict(Counter(i for i, _ in drawn))}")
