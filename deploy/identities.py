@@ -193,8 +193,6 @@ AUDITOR = Grants(
         *(f"$JS.API.CONSUMER.CREATE.{stream}" for stream in AUDITED_STREAMS),
         *(f"$JS.FC.{stream}.>" for stream in AUDITED_STREAMS),
         subjects.stats("*"),
-        # each sled's boot history (the checker holds failures against it): a read, never a change
-        subjects.sim_control("sled.list"),
     )
 )
 FLEET_OPERATOR = Grants(

@@ -25,7 +25,6 @@ from shared.messages import (
     CHARGED_STATES,
     BadMessage,
     PoolChanged,
-    Reply,
     SledInventory,
     VmmDestroy,
     decode,
@@ -141,6 +140,33 @@ async def one_live_vmm(conn: asyncpg.Connection) -> list[str]:
     return [f"instance {r['instance_id']} has {r['n']} live VMMs" for r in rows]
 
 
+async def claimed_vmms_live(conn: asyncpg.Connection) -> list[str]:
+    """Every VMM an instance names, as active or as its migration target, has a live record on the same
+    instance: an instance never points at a VMM that was ended (or destroyed) under it."""
+    rows = await conn.fetch(
+        """
+        SELECT i.id, c.role, c.vmm_id, v.instance_id AS owner, v.ended_at
+        FROM instance_manager.instances i
+        CROSS JOIN LATERAL (VALUES ('active', i.active_vmm_id), ('target', i.target_vmm_id))
+            AS c(role, vmm_id)
+        LEFT JOIN instance_manager.vmms v ON v.id = c.vmm_id
+        WHERE c.vmm_id IS NOT NULL
+          AND (v.id IS NULL OR v.ended_at IS NOT NULL OR v.instance_id IS DISTINCT FROM i.id)
+        """
+    )
+    out = []
+    for r in rows:
+        why = (
+            "no record"
+            if r["owner"] is None
+            else f"its record ended at {r['ended_at'].isoformat()}"
+            if r["ended_at"] is not None
+            else f"it belongs to instance {r['owner']}"
+        )
+        out.append(f"instance {r['id']}: its {r['role']} VMM {r['vmm_id']} is not live ({why})")
+    return out
+
+
 async def no_unfinished_sagas(conn: asyncpg.Connection) -> list[str]:
     rows = await conn.fetch(
         "SELECT id, kind, status FROM instance_manager.sagas WHERE status IN ('running', 'unwinding')"
@@ -198,7 +224,7 @@ async def outboxes_empty(conn: asyncpg.Connection) -> list[str]:
     return out
 
 
-ALWAYS = (totals_match_ledger, totals_never_negative, quotas_respected, one_live_vmm)
+ALWAYS = (totals_match_ledger, totals_never_negative, quotas_respected, one_live_vmm, claimed_vmms_live)
 AT_REST = (
     charges_follow_instances,
     reservations_match_vmms,
@@ -411,18 +437,19 @@ async def no_claimed_vmm_destroyed(conn: asyncpg.Connection, js: JetStreamContex
 
 
 async def sled_boots(nc: NATS) -> dict[str, list[dict[str, Any]]] | None:
-    """Each sled's boot history, as the simulated hardware keeps it; None where no simulator answers (a
-    real rack keeps it in its sleds' service processors, which this checker does not read)."""
-    from shared.messages import SimSledList, encode, envelope
+    """Each sled's boot history, as the simulated hardware keeps it; None where no simulator answers, or
+    this identity may not ask it (the auditor: simulator control is the simulator operator's), and where
+    a real rack keeps it in its sleds' service processors, which this checker does not read."""
+    from shared.bus import CommandError, request
+    from shared.messages import SimSledList
 
     try:
-        raw = await nc.request(subjects.sim_control("sled.list"), encode(envelope(SimSledList(), "check")), 5)
-        reply = Reply.model_validate_json(raw.data)
-    except Exception:
+        listed = await request(
+            nc, subjects.sim_control("sled.list"), SimSledList(), source="check", timeout=5
+        )
+    except (CommandError, TimeoutError, ConnectionError, nats.errors.Error):
         return None
-    if not reply.ok:
-        return None
-    return {s["sled_id"]: s.get("boots", []) for s in reply.data}
+    return {s["sled_id"]: s.get("boots", []) for s in listed}
 
 
 async def no_wrongful_kills(conn: asyncpg.Connection, boots: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -474,16 +501,28 @@ async def check(
 ) -> list[str]:
     """Every check's violations. With `js`, the broker checks too (at rest only); with `nc` as well, the
     failures the control plane made are held against the simulated sleds' boot history."""
-    out: list[str] = []
+    found = await check_each(conn, at_rest=at_rest, js=js, nc=nc)
+    return [line for lines in found.values() for line in lines]
+
+
+async def check_each(
+    conn: asyncpg.Connection,
+    *,
+    at_rest: bool = True,
+    js: JetStreamContext | None = None,
+    nc: NATS | None = None,
+) -> dict[str, list[str]]:
+    """Each check that ran, by name, with its violations (empty where it holds)."""
+    out: dict[str, list[str]] = {}
     for f in ALWAYS + (AT_REST if at_rest else ()):
-        out += await f(conn)
+        out[f.__name__] = await f(conn)
     if at_rest and js is not None:
-        out += await consumers_settled(js)
-        out += await no_zombie_vmms(conn, js)
-        out += await pool_vms_handed_out_once(js)
-        out += await no_claimed_vmm_destroyed(conn, js)
+        out["consumers_settled"] = await consumers_settled(js)
+        out["no_zombie_vmms"] = await no_zombie_vmms(conn, js)
+        out["pool_vms_handed_out_once"] = await pool_vms_handed_out_once(js)
+        out["no_claimed_vmm_destroyed"] = await no_claimed_vmm_destroyed(conn, js)
     if at_rest and nc is not None and (boots := await sled_boots(nc)) is not None:
-        out += await no_wrongful_kills(conn, boots)
+        out["no_wrongful_kills"] = await no_wrongful_kills(conn, boots)
     return out
 
 

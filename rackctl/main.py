@@ -1161,6 +1161,14 @@ def _check_options(p: argparse.ArgumentParser) -> None:
         help="also check what holds only once the system is quiet, the broker's consumers and the sleds' "
         "VMMs included (default); --no-at-rest: only what always holds, from the database alone",
     )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="at rest, while work is in flight (a saga, a message not yet consumed), check again each second "
+        "for up to this long before reporting what still fails (default 30; 0: the first look)",
+    )
 
 
 @command(
@@ -1189,7 +1197,7 @@ async def check_invariants(ctx: Ctx) -> None:
                 js = nc.jetstream()
             except ConnectionError as e:
                 violations.append(f"broker checks not run: {e}")
-        violations += await checker.check(conn, at_rest=a.at_rest, js=js, nc=nc)
+        violations += await _settled(conn, a.at_rest, js, nc, a.settle)
     finally:
         await conn.close()
     checks = checker.names(at_rest=a.at_rest, broker=js is not None)
@@ -1204,6 +1212,24 @@ async def check_invariants(ctx: Ctx) -> None:
     ctx.emit(data, human)
     if violations:
         raise Failure(f"{len(violations)} invariant violation{'' if len(violations) == 1 else 's'}")
+
+
+async def _settled(conn: asyncpg.Connection, at_rest: bool, js: Any, nc: Any, settle: float) -> list[str]:
+    """The checker's findings once they hold still: an at-rest check fails while work is in flight (a
+    delete's saga, an event on its way), so what fails is looked at again until it passes or `settle`
+    seconds have gone by; a violation that lasts that long is reported. Without --at-rest, one look."""
+    deadline = time.monotonic() + (settle if at_rest else 0)
+    progress = Progress("check", out=sys.stderr)
+    try:
+        while True:
+            found = await checker.check(conn, at_rest=at_rest, js=js, nc=nc)
+            left = deadline - time.monotonic()
+            if not found or left <= 0:
+                return found
+            progress.update(f"{len(found)} not passing yet, looking again for {left:.0f}s more")
+            await asyncio.sleep(min(1.0, left))
+    finally:
+        progress.clear()
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

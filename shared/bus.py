@@ -380,9 +380,9 @@ async def serve(
     expect = tuple(handlers)
 
     async def answer(msg: Msg) -> None:
-        if FAULTS.active and FAULTS.duplicates_request(msg.subject):
-            spawn(handle(msg))  # the same request a second time, as a sender's retry would be; reply dropped
         reply = await handle(msg)
+        if FAULTS.active and FAULTS.duplicates_request(msg.subject):
+            spawn(handle(msg))  # the same request again, as a sender's retry would come; its reply dropped
         if msg.reply and (not FAULTS.active or await FAULTS.before_reply(msg.subject)):
             await _respond(msg, reply)
 

@@ -1,19 +1,22 @@
 """The seeded chaos scenario: random operator commands under random faults, then quiesce and check.
 
 Random operator commands (create, start, stop, migrate, delete, pool picks, sled reboots, one expunge)
-run from a few concurrent workers while faults are injected: message faults in the services' buses (delay,
-duplicate, reorder, drop a first attempt, hold acks, slow handlers), faults on the requests they answer
-(duplicated, late and dropped replies), held acks and redeliveries of a sled's inventories around its
-reboot, report faults in the simulated sleds, sled partitions, kill -9 of any service (restarted a moment
+run from a few concurrent workers while faults are injected. All run long, every service's bus is under
+one kind of fault after another (delay, duplicate, reorder, drop a first attempt, hold acks, slow
+handlers, and on the requests they answer, duplicated, late and dropped replies), and so are the
+simulated sleds' reports; the workers add held acks and redeliveries of a sled's inventories around its
+reboot, sled partitions, kill -9 of any service (restarted a moment
 later), restarts of nats-server (stopped, or killed with SIGKILL), an outage of the broker longer than its
 dedupe window, and restarts of PostgreSQL. Then every fault is lifted, the system is left to settle, and
-the invariant checker must find nothing. Every choice comes from one seed, so a run's sequence of
-operations can be replayed.
+the invariant checker must find nothing. The report counts the faults each process injected (its
+counters, sampled every second). Every choice comes from one seed, so a run's sequence of operations can
+be replayed (the timing, on a real machine, cannot be).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from deploy.stack import SERVICES, Stack
-from rackctl.check import check
+from rackctl.check import check_each
 from rackctl.client import Client
 from shared.bus import CommandError
 from shared.messages import (
@@ -56,8 +59,10 @@ CHAOS_ENV = {
 WEIGHTS = {
     "create": 14, "start": 20, "stop": 14, "migrate": 8, "delete": 5, "pick": 5,
     "reboot": 3, "expunge": 1, "partition": 3, "kill": 5, "restart_broker": 1, "kill_broker": 1,
-    "long_outage": 1, "restart_database": 1, "sled_faults": 4, "service_faults": 12,
+    "long_outage": 1, "restart_database": 1,
 }  # fmt: skip
+WEATHER = ("instance-manager", "accounting", "recovery", "sled-agent")
+"""Services whose buses carry faults all run long, one kind after another (the simulated sleds, too)."""
 LONG_OUTAGES = 2
 """At most this many broker outages longer than the dedupe window in one run (each holds the rack still)."""
 
@@ -70,6 +75,8 @@ class Report:
     outcomes: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
+    invariants: dict[str, int] = field(default_factory=dict)
+    """Each invariant checked at the end, with how many violations of it were found."""
     log: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -81,6 +88,8 @@ class Report:
             f"  operations: {counts(self.ops)}",
             f"  outcomes: {counts(self.outcomes)}",
             f"  faults injected: {counts(self.faults)}",
+            f"  invariants checked: {len(self.invariants)}  "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.invariants.items())),
             f"  violations: {len(self.violations)}",
             *(f"    {v}" for v in self.violations),
         ]
@@ -101,6 +110,8 @@ class Scenario:
     _next: int = 0
     _start: float = 0.0
     _infra: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _weather: dict[str, asyncio.Lock] = field(default_factory=dict)
+    _seen: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.report = Report(self.seed, self.duration)
@@ -118,8 +129,20 @@ class Scenario:
     async def run(self) -> Report:
         await self.setup()
         self._start = time.monotonic()
-        await asyncio.gather(*(self.worker(w) for w in range(self.workers)))
+        self._weather = {s: asyncio.Lock() for s in WEATHER}
+        background = [
+            asyncio.create_task(self.service_weather(s, random.Random(f"{self.seed}/{s}"))) for s in WEATHER
+        ]
+        background.append(asyncio.create_task(self.sled_weather(random.Random(f"{self.seed}/sleds"))))
+        background.append(asyncio.create_task(self.sample_faults()))
+        try:
+            await asyncio.gather(*(self.worker(w) for w in range(self.workers)))
+        finally:
+            for t in background:
+                t.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
         await self.quiesce()
+        await self._sample()
         return self.report
 
     async def worker(self, w: int) -> None:
@@ -206,17 +229,15 @@ class Scenario:
             only=[f"rp.sled.{sled}.report.inventory"],
             seed=rng.randint(0, 2**31),
         )
-        services = ("instance-manager", "recovery")
-        before = {s: await self._injected(s) for s in services}
-        for s in services:
-            await self.client.faults(s, held)
-        await asyncio.sleep(rng.uniform(1, 3))
-        await self.client.sim_sled("reboot", sled)
-        self.report.faults["sled_reboot"] += 1
-        await asyncio.sleep(rng.uniform(2, 5))
-        for s in services:
-            self.report.faults[f"inventory hold_acks ({s})"] += max(await self._injected(s) - before[s], 0)
-            await self.client.faults(s, ServiceFaults(clear=True))
+        async with self._weather["instance-manager"], self._weather["recovery"]:
+            for s in ("instance-manager", "recovery"):
+                await self.client.faults(s, held.model_copy(update={"clear": True}))
+            await asyncio.sleep(rng.uniform(1, 3))
+            await self.client.sim_sled("reboot", sled)
+            self.report.faults["sled_reboot"] += 1
+            await asyncio.sleep(rng.uniform(2, 5))
+            for s in ("instance-manager", "recovery"):
+                await self.client.faults(s, ServiceFaults(clear=True))
         return f"{sled}, its inventories redelivered"
 
     async def op_expunge(self, rng: random.Random) -> str:
@@ -236,62 +257,54 @@ class Scenario:
         await self.client.sim_sled("heal", sled)
         return sled
 
-    async def op_sled_faults(self, rng: random.Random) -> str:
-        sled = self._sled(rng)
-        kind = rng.choice(["delay", "duplicate", "drop"])
-        faults = {
-            "delay": SimFaults(sled_id=sled, delay_state=rng.choice([None, VmmState.stopped]),
-                               delay_seconds=rng.uniform(0.5, 3), delay_count=rng.randint(1, 5)),
-            "duplicate": SimFaults(sled_id=sled, duplicate=3),
-            "drop": SimFaults(sled_id=sled, drop_probability=0.3),
-        }[kind]  # fmt: skip
-        before = await self._sled_injected()
-        await self.client.sim_faults(faults)
-        await asyncio.sleep(rng.uniform(1, 3))
-        injected = await self._sled_injected() - before
-        await self.client.sim_faults(SimFaults(sled_id=sled))
-        self.report.faults[f"sled report {kind}"] += max(injected, 0)
-        return f"{sled} {kind}: {injected} injected"
-
-    async def _sled_injected(self) -> int:
-        counters = (await self.client.stats("sled-agent"))["counters"]
-        return sum(n for name, n in counters.items() if name.startswith("sled.fault."))
-
     # --- services and infrastructure ---
 
-    async def op_service_faults(self, rng: random.Random) -> str:
-        service = rng.choice(["instance-manager", "accounting", "recovery", "sled-agent"])
-        kinds = ["delay", "duplicate", "reorder", "drop_first_attempt", "hold_acks", "slow_handler"]
-        kinds += ["requests"] * (service in ("instance-manager", "accounting"))
-        kind = rng.choice(kinds)
-        body = {
-            "slow_handler": ServiceFaults(slow_handler_seconds=rng.uniform(1, 6)),  # a lagging consumer
-            "requests": ServiceFaults(
-                requests=RequestFault(
-                    duplicate_probability=0.3,
-                    delay_reply_seconds=rng.uniform(0, 2),
-                    drop_reply_probability=0.1,
-                )
-            ),
-            "delay": ServiceFaults(delay=DelayFault(min_seconds=0.05, max_seconds=rng.uniform(0.1, 1))),
-            "duplicate": ServiceFaults(
-                duplicate=DuplicateFault(copies=rng.randint(1, 3), bypass_dedupe=True)
-            ),
-            "reorder": ServiceFaults(reorder=ReorderFault(window=rng.randint(2, 8))),
-            "drop_first_attempt": ServiceFaults(drop_first_attempt=True),
-            "hold_acks": ServiceFaults(hold_acks=HoldAcksFault(probability=0.3)),
-        }[kind]
-        before = await self._injected(service)
-        await self.client.faults(service, body.model_copy(update={"seed": rng.randint(0, 2**31)}))
-        await asyncio.sleep(rng.uniform(1, 4))
-        injected = await self._injected(service) - before
-        await self.client.faults(service, ServiceFaults(clear=True))
-        self.report.faults[f"{kind} ({service})"] += max(injected, 0)  # a kill -9 meanwhile resets the count
-        return f"{service} {kind}: {injected} injected"
+    async def service_weather(self, service: str, rng: random.Random) -> None:
+        """One service's bus under faults the whole run: a kind for 1 to 4 s, then the next."""
+        while True:
+            async with self._weather[service]:
+                with contextlib.suppress(CommandError, TimeoutError, ConnectionError):
+                    body = service_fault(rng, service)
+                    await self.client.faults(service, body.model_copy(update={"seed": rng.randint(0, 2**31)}))
+                await asyncio.sleep(rng.uniform(1, 4))
+                with contextlib.suppress(CommandError, TimeoutError, ConnectionError):
+                    await self.client.faults(service, ServiceFaults(clear=True))
+            await asyncio.sleep(rng.uniform(0, 0.3))
 
-    async def _injected(self, service: str) -> int:
-        counters = (await self.client.faults(service))["counters"]
-        return sum(n for name, n in counters.items() if name.startswith("faults."))
+    async def sled_weather(self, rng: random.Random) -> None:
+        """The simulated sleds' reports under faults the whole run, one sled at a time."""
+        while True:
+            sled = self._sled(rng)
+            faults = {
+                "delay": SimFaults(sled_id=sled, delay_state=rng.choice([None, VmmState.stopped]),
+                                   delay_seconds=rng.uniform(0.5, 3), delay_count=rng.randint(1, 5)),
+                "duplicate": SimFaults(sled_id=sled, duplicate=3),
+                "drop": SimFaults(sled_id=sled, drop_probability=0.3),
+            }[rng.choice(["delay", "duplicate", "drop"])]  # fmt: skip
+            with contextlib.suppress(CommandError, TimeoutError, ConnectionError):
+                await self.client.sim_faults(faults)
+            await asyncio.sleep(rng.uniform(1, 3))
+            with contextlib.suppress(CommandError, TimeoutError, ConnectionError):
+                await self.client.sim_faults(SimFaults(sled_id=sled))
+
+    async def sample_faults(self) -> None:
+        while True:
+            await asyncio.sleep(1)
+            await self._sample()
+
+    async def _sample(self) -> None:
+        """Add what every process's fault counters grew by since the last look: the report counts faults
+        actually injected, by kind and service (a process killed meanwhile starts again from zero)."""
+        for service in WEATHER:
+            with contextlib.suppress(CommandError, TimeoutError, ConnectionError):
+                counters = (await self.client.faults(service))["counters"]
+                if service == "sled-agent":
+                    counters |= (await self.client.stats("sled-agent"))["counters"]
+                for name, n in counters.items():
+                    if name.startswith(("faults.", "sled.fault.")):
+                        last = self._seen.get((service, name), 0)
+                        self.report.faults[f"{name} ({service})"] += n - last if n >= last else n
+                        self._seen[service, name] = n
 
     async def op_kill(self, rng: random.Random) -> str:
         name = rng.choice(SERVICES)
@@ -359,8 +372,32 @@ class Scenario:
         deadline = time.monotonic() + settle_for
         while True:
             async with self.db.acquire() as conn:
-                violations = await check(conn, at_rest=True, js=self.client.nc.jetstream(), nc=self.client.nc)
+                found = await check_each(conn, at_rest=True, js=self.client.nc.jetstream(), nc=self.client.nc)
+            violations = [line for lines in found.values() for line in lines]
             if not violations or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1)
         self.report.violations = violations
+        self.report.invariants = {name: len(lines) for name, lines in found.items()}
+
+
+def service_fault(rng: random.Random, service: str) -> ServiceFaults:
+    """One kind of bus fault, drawn for `service` (request faults only where commands are served)."""
+    kinds = ["delay", "duplicate", "reorder", "drop_first_attempt", "hold_acks", "slow_handler"]
+    kinds += ["requests"] * (service in ("instance-manager", "accounting"))
+    kind = rng.choice(kinds)
+    return {
+        "slow_handler": lambda: ServiceFaults(slow_handler_seconds=rng.uniform(1, 6)),  # a lagging consumer
+        "requests": lambda: ServiceFaults(
+            requests=RequestFault(
+                duplicate_probability=0.3, delay_reply_seconds=rng.uniform(0, 2), drop_reply_probability=0.1
+            )
+        ),
+        "delay": lambda: ServiceFaults(delay=DelayFault(min_seconds=0.05, max_seconds=rng.uniform(0.1, 1))),
+        "duplicate": lambda: ServiceFaults(
+            duplicate=DuplicateFault(copies=rng.randint(1, 3), bypass_dedupe=True)
+        ),
+        "reorder": lambda: ServiceFaults(reorder=ReorderFault(window=rng.randint(2, 8))),
+        "drop_first_attempt": lambda: ServiceFaults(drop_first_attempt=True),
+        "hold_acks": lambda: ServiceFaults(hold_acks=HoldAcksFault(probability=0.3)),
+    }[kind]()

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from rackctl import check as checker
 from tests.chaos.scenario import CHAOS_ENV, Scenario
 from tests.conftest import private_rack
 
@@ -22,6 +23,7 @@ async def run(seed: int, duration: float) -> None:
             log = "\n".join(report.log)
             pytest.fail(f"{len(report.violations)} violations; replay: {replay}\n{report.summary()}\n{log}")
         assert sum(report.faults.values()) > 0, "a chaos run that injected no fault proves nothing"
+        assert set(checker.names()) <= set(report.invariants), "an invariant was not checked"
 
 
 async def test_a_short_fixed_seed_chaos_run_keeps_every_invariant() -> None:
