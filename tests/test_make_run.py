@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from deploy.stack import ROOT, free_port
@@ -90,6 +93,8 @@ def test_make_run_starts_and_stops_the_stack() -> None:
             assert (logins / f"{role}.url").stat().st_mode & 0o777 == 0o600
         check = rackctl("check", "--no-at-rest")
         assert check.returncode == 0 and "every invariant holds" in check.stdout, check
+
+        walk_the_readme(rackctl)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
@@ -99,3 +104,41 @@ def test_make_run_starts_and_stops_the_stack() -> None:
     leftovers = subprocess.run(["pgrep", "-f", str(home)], capture_output=True, text=True).stdout.split()
     assert leftovers == [], f"processes left behind: {leftovers}"
     shutil.rmtree(home, ignore_errors=True)
+
+
+def readme_commands() -> list[tuple[list[str], str]]:
+    """Every `$ rackctl ...` line of the README's console blocks, with the first line it shows after it."""
+    out = []
+    for block in re.findall(r"```console\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("$ rackctl "):
+                command = re.split(r"\s+#", line[len("$ rackctl ") :])[0]
+                shown = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("$") else ""
+                out.append((shlex.split(command), shown))
+    return out
+
+
+def walk_the_readme(rackctl: Callable[..., subprocess.CompletedProcess[str]]) -> None:
+    """The README's walkthrough, as written, against `make run` with its default context: each command
+    succeeds, or fails with the one-line error the README shows."""
+    commands = readme_commands()
+    assert len(commands) > 15
+    for args, shown in commands:
+        if "--from-pool" in args:  # "once the pool's VMs are up"
+            pool = args[args.index("--from-pool") + 1]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                r = rackctl("pool", "show", pool, "--json")
+                if r.returncode == 0 and json.loads(r.stdout)["idle"] >= 1:
+                    break
+                time.sleep(0.5)
+        r = rackctl(*args)
+        if shown.startswith("rackctl: error:"):
+            assert r.returncode == 1 and r.stderr.strip() == shown, (args, r)
+        else:
+            assert r.returncode == 0, (args, r)
+            if shown:
+                assert r.stdout.split()[:1] == shown.split()[:1], (args, shown, r.stdout)
+        if args[:2] == ["sim", "sled"] and args[2] == "reboot":
+            time.sleep(3)  # the instance is restarted before the README looks at it

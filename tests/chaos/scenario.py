@@ -50,6 +50,7 @@ CHAOS_ENV = {
     "RACKPLANE_RESTART_COOLDOWN": "1",
     "RACKPLANE_ZOMBIE_GRACE": "3",
     "RACKPLANE_SLED_UNKNOWN_AFTER": "3",
+    "RACKPLANE_INVENTORY_INTERVAL": "1",  # the sleds talk every second: traffic for the faults to act on
     "RACKPLANE_ACK_WAIT": "3",
     "RACKPLANE_DUPLICATE_WINDOW": "5",  # an outage of the broker can outlast it: the fences must hold then
     "RACKPLANE_LOG": "WARNING",
@@ -103,7 +104,7 @@ class Scenario:
     db: asyncpg.Pool
     seed: int
     duration: float
-    workers: int = 3
+    workers: int = 5
     report: Report = field(init=False)
     names: list[str] = field(default_factory=list)
     expunged: set[str] = field(default_factory=set)
@@ -301,7 +302,7 @@ class Scenario:
                 if service == "sled-agent":
                     counters |= (await self.client.stats("sled-agent"))["counters"]
                 for name, n in counters.items():
-                    if name.startswith(("faults.", "sled.fault.")):
+                    if name.startswith(("faults.", "sled.fault.")) and not name.endswith("_delivered"):
                         last = self._seen.get((service, name), 0)
                         self.report.faults[f"{name} ({service})"] += n - last if n >= last else n
                         self._seen[service, name] = n
@@ -382,10 +383,17 @@ class Scenario:
 
 
 def service_fault(rng: random.Random, service: str) -> ServiceFaults:
-    """One kind of bus fault, drawn for `service` (request faults only where commands are served)."""
+    """One to three kinds of bus fault at once, drawn for `service` (request faults only where commands
+    are served)."""
     kinds = ["delay", "duplicate", "reorder", "drop_first_attempt", "hold_acks", "slow_handler"]
     kinds += ["requests"] * (service in ("instance-manager", "accounting"))
-    kind = rng.choice(kinds)
+    merged: dict[str, object] = {}
+    for kind in rng.sample(kinds, rng.randint(1, 3)):
+        merged |= one_fault(rng, kind).model_dump(exclude_none=True, exclude_defaults=True)
+    return ServiceFaults.model_validate(merged)
+
+
+def one_fault(rng: random.Random, kind: str) -> ServiceFaults:
     return {
         "slow_handler": lambda: ServiceFaults(slow_handler_seconds=rng.uniform(1, 6)),  # a lagging consumer
         "requests": lambda: ServiceFaults(
