@@ -22,7 +22,9 @@ STEPS = ["charge", "place", "create_vmm", "ensure_on_sled", "after:charge", "aft
 
 @pytest.fixture(scope="module")
 async def crashy() -> AsyncIterator[Rack]:
-    async with private_rack("crash", RACKPLANE_ACK_WAIT="2") as rack:  # unacked messages come back fast
+    # Unacked messages come back fast. A crash and restart can outlast the usual transition timeout on a
+    # loaded machine, and recovery would then rightly call a resumed migration off as stuck.
+    async with private_rack("crash", RACKPLANE_ACK_WAIT="2", RACKPLANE_TRANSITION_TIMEOUT="30") as rack:
         yield rack
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +35,20 @@ class App:
     relay: OutboxRelay = field(init=False)
     sagas: Executor = field(init=False)
     charge_timeout: float = 2.0
+    listening_since: float = field(default_factory=time.monotonic)
+    """When this process began to read the sleds' inventories (monotonic clock)."""
     _waiters: dict[tuple[uuid.UUID, int], asyncio.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.relay = OutboxRelay(self.pool, self.js)
         self.sagas = Executor(self, self.dsn)
+
+    def hears_sleds(self) -> bool:
+        """Whether a sled's silence means anything here yet. A sled is last seen when this service applies
+        its inventory, so right after a start (a restart, a crash) every sled looks as silent as this
+        process was away, until the inventories sent meanwhile are read: silence counts only once the
+        process has been listening for the whole window."""
+        return time.monotonic() - self.listening_since >= sled_unknown_after()
 
     # --- events ---
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,7 @@ async def main(settings: Settings) -> None:
     await serve_faults(app.nc, SOURCE)
     await serve_stats(app.nc, SOURCE)
     log.info("instance-manager ready")
+    app.listening_since = time.monotonic()  # the consumers start now
     await run_forever(
         app.relay.run(), app.sagas.resume_forever(), keeper.run(), *(c.run() for c in consumers(app))
     )

@@ -91,14 +91,19 @@ async def interlock_undo(ctx: Context) -> None:
 async def place(ctx: Context) -> dict[str, Any]:
     d = ctx.data
     placed = await sleds.reserve(
-        ctx.tx, d["vcpus"], d["ram_bytes"], avoid=d["source_sled_id"], only=ctx.params.get("to_sled")
+        ctx.tx,
+        d["vcpus"],
+        d["ram_bytes"],
+        avoid=d["source_sled_id"],
+        only=ctx.params.get("to_sled"),
+        judge_silence=ctx.app.hears_sleds(),
     )
     return placement(placed)
 
 
 async def create_vmm(ctx: Context) -> None:
     instance_id = uuid.UUID(ctx.params["instance_id"])
-    await sleds.still_placeable(ctx.tx, ctx.data["sled_id"])
+    await sleds.still_placeable(ctx.tx, ctx.data["sled_id"], judge_silence=ctx.app.hears_sleds())
     inst = await ctx.tx.fetchrow(Q["instance_lock"], instance_id)
     if inst is None or inst["target_vmm_id"] != uuid.UUID(ctx.data["vmm_id"]):
         raise StepFailed("the migration was called off: its source VMM ended")

@@ -62,14 +62,21 @@ reserved by another placement at that moment, before it leaves the retry to the 
 
 
 async def reserve(
-    tx: asyncpg.Connection, vcpus: int, ram_bytes: int, *, avoid: str | None = None, only: str | None = None
+    tx: asyncpg.Connection,
+    vcpus: int,
+    ram_bytes: int,
+    *,
+    avoid: str | None = None,
+    only: str | None = None,
+    judge_silence: bool = True,
 ) -> asyncpg.Record:
     """Reserve room on the least loaded active sled (never `avoid`; `only` if named): its id and boot id.
 
     Placements pass over sleds being reserved right now (each holds its sled for one short transaction),
     so they never wait on each other; when those are the only sleds with room (few sleds, many
     placements), this one tries again a moment later, rather than backing off as a failed step does.
-    No room anywhere fails the step."""
+    No room anywhere fails the step, unless silence cannot be judged yet (`judge_silence` false: see
+    `App.hears_sleds`): then the step is retried, since the sleds may only seem silent."""
     silent = sled_unknown_after()
     for _ in range(PLACE_ATTEMPTS):
         placed = await tx.fetchrow(Q["place"], vcpus, ram_bytes, avoid, only, silent)
@@ -81,18 +88,23 @@ async def reserve(
         await asyncio.sleep(random.uniform(0.002, 0.01))
     else:
         raise RuntimeError("every sled with room is being reserved right now")  # transient: retried
+    if not judge_silence:
+        raise RuntimeError("no sled with room has been heard from since this service started")  # retried
     room = f"room for {vcpus} vCPUs and {ram_bytes / GiB:g} GiB of RAM"
     if only is not None:
         raise StepFailed(f"sled {only} is not active, does not answer, or has no {room}")
     raise StepFailed(f"no {'other ' if avoid else ''}active sled that answers has {room}")
 
 
-async def still_placeable(tx: asyncpg.Connection, sled_id: str) -> None:
+async def still_placeable(tx: asyncpg.Connection, sled_id: str, *, judge_silence: bool = True) -> None:
     """The second look at a placement, when its VMM record is written: the sled must still be active and
     answering. The lock it takes waits for an expunge under way, so an expunge that commits mid-saga is
-    seen here and unwinds the start rather than leaving a VMM on an expunged sled."""
+    seen here and unwinds the start rather than leaving a VMM on an expunged sled. A sled that seems
+    silent while silence cannot be judged yet (`judge_silence` false) makes the step retry."""
     sled = await tx.fetchrow(Q["sled_placeable"], sled_id, sled_unknown_after())
     if sled is None or sled["state"] != "active":
         raise StepFailed(f"sled {sled_id} was {sled['state'] if sled else 'removed'} while it was placed on")
     if not sled["answering"]:
+        if not judge_silence:
+            raise RuntimeError(f"sled {sled_id} not heard from since this service started")  # retried
         raise StepFailed(f"sled {sled_id} stopped answering while it was placed on")

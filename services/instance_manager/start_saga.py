@@ -124,7 +124,9 @@ def placement(placed: asyncpg.Record) -> dict[str, Any]:
 
 
 async def place(ctx: Context) -> dict[str, Any]:
-    return placement(await sleds.reserve(ctx.tx, ctx.data["vcpus"], ctx.data["ram_bytes"]))
+    d = ctx.data
+    placed = await sleds.reserve(ctx.tx, d["vcpus"], d["ram_bytes"], judge_silence=ctx.app.hears_sleds())
+    return placement(placed)
 
 
 async def place_undo(ctx: Context) -> None:
@@ -152,7 +154,7 @@ async def record_vmm(ctx: Context, state: str) -> None:
 
 async def create_vmm(ctx: Context) -> None:
     instance_id = uuid.UUID(ctx.params["instance_id"])
-    await sleds.still_placeable(ctx.tx, ctx.data["sled_id"])
+    await sleds.still_placeable(ctx.tx, ctx.data["sled_id"], judge_silence=ctx.app.hears_sleds())
     await record_vmm(ctx, "starting")
     # Tell everyone where the instance is going (recovery watches that sled's boots from now on).
     vmm_id = uuid.UUID(ctx.data["vmm_id"])
