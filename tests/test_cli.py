@@ -23,8 +23,10 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from deploy.stack import Stack, free_port
-from rackctl import main as cli
 from rackctl.client import Client
+from rackctl.commands import instance as instance_commands
+from rackctl.commands.args import POOL_NAME_MAX, Ref, instance_path, pool_path
+from rackctl.commands.base import Ctx, Failure
 from rackctl.output import Progress
 from rackctl.sizes import format_size, parse_size
 from shared.bus import CommandError
@@ -158,8 +160,8 @@ def view(state: str, last_error: str | None = None) -> dict[str, Any]:
 
 
 async def wait(client: ScriptedClient, first: dict[str, Any], target: str | None, timeout: float = 5) -> Any:
-    ctx = cli.Ctx(argparse.Namespace(timeout=timeout, json=False, nats="nats://unused"))
-    return await cli._wait_for(ctx, client, cli.Ref("s", "p", "vm"), first, target)  # type: ignore[arg-type]
+    ctx = Ctx(argparse.Namespace(timeout=timeout, json=False, nats="nats://unused"))
+    return await instance_commands._wait_for(ctx, client, Ref("s", "p", "vm"), first, target)  # type: ignore[arg-type]
 
 
 async def test_wait_reaches_target() -> None:
@@ -175,14 +177,14 @@ async def test_wait_reaches_target() -> None:
     ],
 )
 async def test_wait_for_running_stops_on_failure(last: dict[str, Any], message: str) -> None:
-    with pytest.raises(cli.Failure, match=f"^{message}$"):
+    with pytest.raises(Failure, match=f"^{message}$"):
         await wait(ScriptedClient(view("starting"), last), view("starting"), "running")
 
 
 async def test_wait_times_out_clearly() -> None:
     client = ScriptedClient(view("starting"), repeat_last=True)
     with pytest.raises(
-        cli.Failure, match=r"timed out after 0.3s waiting for s/p/vm to be running \(it is starting\)"
+        Failure, match=r"timed out after 0.3s waiting for s/p/vm to be running \(it is starting\)"
     ):
         await wait(client, view("starting"), "running", timeout=0.3)
 
@@ -238,7 +240,7 @@ def test_usage_errors_exit_2(args: tuple[str, ...]) -> None:
     assert "error:" in r.err.splitlines()[-1]
 
 
-POOL_TOO_LONG = "p" * (cli.POOL_NAME_MAX + 1)
+POOL_TOO_LONG = "p" * (POOL_NAME_MAX + 1)
 
 
 @pytest.mark.parametrize(
@@ -311,14 +313,14 @@ def test_pool_usage_errors_exit_2_with_a_clear_line(args: tuple[str, ...], messa
 def test_pool_names_are_those_the_schema_accepts() -> None:
     """The CLI refuses exactly the pool names `messages.PoolName` refuses, with its own clear message."""
     schema = TypeAdapter(PoolName)
-    for name in ("p", "warm-1", "p" * cli.POOL_NAME_MAX):
-        assert cli.pool_path(f"a/b/{name}").name == schema.validate_python(name)
-    for name in ("p" * (cli.POOL_NAME_MAX + 1), "Warm", "1warm", ""):
+    for name in ("p", "warm-1", "p" * POOL_NAME_MAX):
+        assert pool_path(f"a/b/{name}").name == schema.validate_python(name)
+    for name in ("p" * (POOL_NAME_MAX + 1), "Warm", "1warm", ""):
         with pytest.raises(ValidationError):
             schema.validate_python(name)
         with pytest.raises(argparse.ArgumentTypeError, match="a pool name is 1 to 56"):
-            cli.pool_path(f"a/b/{name}")
-    assert cli.instance_path("a/b/" + "i" * 63).name == "i" * 63  # other names keep their 63
+            pool_path(f"a/b/{name}")
+    assert instance_path("a/b/" + "i" * 63).name == "i" * 63  # other names keep their 63
 
 
 def test_unreachable_nats_is_one_line() -> None:

@@ -1,0 +1,108 @@
+"""`rackctl check`: run the invariant checker (rackctl/check.py) as a command, for scripts and operators.
+
+Exit 0 when every invariant holds, 1 with one line per violation; at rest, what fails while work is still
+in flight is looked at again before it counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from typing import Any
+
+import asyncpg
+from nats.js import JetStreamContext
+
+from rackctl import check as checker
+from rackctl.commands.args import json_flag
+from rackctl.commands.base import CONNECT_TIMEOUT, Ctx, Failure, command
+from rackctl.output import Progress
+from shared.config import check_database_url
+
+
+def _check_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--database-url",
+        metavar="URL",
+        default=None,
+        help="the database (default: $DATABASE_URL, else the read-only login `make run` wrote under "
+        "$RACKPLANE_HOME, default .rackplane)",
+    )
+    p.add_argument(
+        "--at-rest",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also check what holds only once the system is quiet, the broker's consumers and the sleds' "
+        "VMMs included (default); --no-at-rest: only what always holds, from the database alone",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="at rest, while work is in flight (a saga, a message not yet consumed), check again each second "
+        "for up to this long before reporting what still fails (default 30; 0: the first look)",
+    )
+
+
+@command(
+    "check",
+    "check rackplane's invariants against its database (and, at rest, its broker): exit 0 when they all "
+    "hold, 1 with one line per violation",
+    _check_options,
+    json_flag,
+)
+async def check_invariants(ctx: Ctx) -> None:
+    a = ctx.args
+    within = min(CONNECT_TIMEOUT, a.timeout)
+    try:
+        conn = await asyncio.wait_for(asyncpg.connect(a.database_url or check_database_url()), within)
+    except TimeoutError:
+        raise ConnectionError(f"cannot reach the database within {within:g}s") from None
+    except (OSError, asyncpg.PostgresError) as e:
+        raise ConnectionError(f"cannot reach the database: {type(e).__name__}: {e}") from None
+    js: JetStreamContext | None = None
+    nc = None
+    violations: list[str] = []
+    try:
+        if a.at_rest:
+            try:
+                nc = (await ctx.client()).nc
+                js = nc.jetstream()
+            except ConnectionError as e:
+                violations.append(f"broker checks not run: {e}")
+        violations += await _settled(conn, a.at_rest, js, nc, a.settle)
+    finally:
+        await conn.close()
+    checks = checker.names(at_rest=a.at_rest, broker=js is not None)
+    data = {"ok": not violations, "at_rest": a.at_rest, "checks": checks, "violations": violations}
+
+    def human(d: dict[str, Any]) -> None:
+        for line in d["violations"]:
+            print(line)
+        if d["ok"]:
+            print(f"ok: {len(d['checks'])} checks, every invariant holds")
+
+    ctx.emit(data, human)
+    if violations:
+        raise Failure(f"{len(violations)} invariant violation{'' if len(violations) == 1 else 's'}")
+
+
+async def _settled(conn: asyncpg.Connection, at_rest: bool, js: Any, nc: Any, settle: float) -> list[str]:
+    """The checker's findings once they hold still: an at-rest check fails while work is in flight (a
+    delete's saga, an event on its way), so what fails is looked at again until it passes or `settle`
+    seconds have gone by; a violation that lasts that long is reported. Without --at-rest, one look."""
+    deadline = time.monotonic() + (settle if at_rest else 0)
+    progress = Progress("check", out=sys.stderr)
+    try:
+        while True:
+            found = await checker.check(conn, at_rest=at_rest, js=js, nc=nc)
+            left = deadline - time.monotonic()
+            if not found or left <= 0:
+                return found
+            progress.update(f"{len(found)} not passing yet, looking again for {left:.0f}s more")
+            await asyncio.sleep(min(1.0, left))
+    finally:
+        progress.clear()

@@ -1,0 +1,36 @@
+"""`rackctl project`: the projects inside a silo."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rackctl.commands.args import json_flag, project_path, silo_path
+from rackctl.commands.base import Ctx, command, group
+from rackctl.output import print_table
+
+group("project", "projects inside a silo")
+
+
+@command(
+    "project create",
+    "create a project in a silo",
+    lambda p: p.add_argument("project", type=project_path, metavar="SILO/PROJECT"),
+    json_flag,
+)
+async def project_create(ctx: Ctx) -> None:
+    silo, name = ctx.args.project
+    data = await (await ctx.client()).project_create(silo, name)
+    ctx.emit(data, lambda d: print(f"created project {d['silo']}/{d['name']}"))
+
+
+@command(
+    "project list",
+    "list the projects of a silo",
+    lambda p: p.add_argument("silo", type=silo_path, metavar="SILO"),
+    json_flag,
+)
+async def project_list(ctx: Ctx) -> None:
+    def human(projects: list[dict[str, Any]]) -> None:
+        print_table(("PROJECT", "ID"), [(f"{p['silo']}/{p['name']}", p["id"]) for p in projects])
+
+    ctx.emit(await (await ctx.client()).project_list(ctx.args.silo), human)
