@@ -30,8 +30,8 @@ FROM instance_charges WHERE instance_id = $1 FOR UPDATE;
 -- Moves silo, project and fleet totals by ($2 vCPUs, $3 RAM, $4 disk) in one statement, gated by the
 -- silo's quotas: only increases are checked, reaching a quota exactly is allowed, and the silo row's
 -- lock serializes concurrent charges, so together they can never exceed it. No increase may take the
--- fleet's total (which bounds every silo's and project's) past $6 (MAX_TOTAL, shared/messages.py), so no
--- sum overflows a bigint. Returns 0 rows if refused.
+-- fleet's total (which bounds every silo's and project's) past $6 (MAX_TOTAL, shared/messages/base.py),
+-- so no sum overflows a bigint. Returns 0 rows if refused.
 WITH d AS (SELECT $2::bigint AS v, $3::bigint AS r, $4::bigint AS k), silo AS (
     UPDATE silos
     SET vcpus = vcpus + d.v, ram_bytes = ram_bytes + d.r, disk_bytes = disk_bytes + d.k

@@ -1,0 +1,228 @@
+"""What every message shares: the envelope, the registry of versioned schemas, encode and decode, and the
+field types that bound what a message may carry.
+
+Every message on the bus is an `Envelope` whose `data` validates against the model registered for its
+`(schema, version)`. A message that fails this never reaches a handler: the bus layer answers it with an
+error reply (commands) or dead-letters it with the reason (streams).
+
+Every limit lives here, and only here, so that the domain modules say what a message holds and this one
+how large any of it may be.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+
+# --- names --------------------------------------------------------------------------------------------
+
+NAME_PATTERN = r"^[a-z][a-z0-9-]{0,62}$"
+"""Silo, project, instance and pool names: safe as NATS subject tokens and as path segments."""
+
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+PoolName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,55}$")]
+"""Shorter than other names: the pool's VMs are named `<pool>-<6 hex digits>` until handed out."""
+
+# --- amounts ------------------------------------------------------------------------------------------
+# Every amount a message carries is bounded here, so that no total can overflow a bigint: the largest
+# charge is far below MAX_TOTAL, and accounting refuses a charge that would take the fleet's total past
+# MAX_TOTAL (half of the bigint range, so that concurrent charges cannot overshoot it).
+
+MAX_INSTANCE_VCPUS = 256
+MAX_INSTANCE_RAM_BYTES = 2**44  # 16 TiB
+MAX_DISK_BYTES = 2**46  # 64 TiB
+MAX_SLED_VCPUS = 4096
+MAX_SLED_RAM_BYTES = 2**46  # 64 TiB
+MAX_TOTAL = 2**62
+"""The most a total (fleet, silo, project) or a quota may hold."""
+
+InstanceVcpus = Annotated[int, Field(ge=1, le=MAX_INSTANCE_VCPUS)]
+InstanceRam = Annotated[int, Field(ge=1, le=MAX_INSTANCE_RAM_BYTES)]
+SledVcpus = Annotated[int, Field(ge=1, le=MAX_SLED_VCPUS)]
+SledRam = Annotated[int, Field(ge=1, le=MAX_SLED_RAM_BYTES)]
+ChargedVcpus = Annotated[int, Field(ge=0, le=MAX_INSTANCE_VCPUS)]
+ChargedRam = Annotated[int, Field(ge=0, le=MAX_INSTANCE_RAM_BYTES)]
+ChargedDisk = Annotated[int, Field(ge=0, le=MAX_DISK_BYTES)]
+QuotaAmount = Annotated[int, Field(ge=0, le=MAX_TOTAL)]
+
+Vcpus = InstanceVcpus
+"""The shape an operator asks for (an instance, a pool's VMs): vCPUs as a VMM may have them, and at least
+1 MiB of RAM and of disk."""
+RamBytes = Annotated[int, Field(ge=2**20, le=MAX_INSTANCE_RAM_BYTES)]
+DiskBytes = Annotated[int, Field(ge=2**20, le=MAX_DISK_BYTES)]
+
+SimSledRam = Annotated[int, Field(ge=2**30, le=MAX_SLED_RAM_BYTES)]
+"""A simulated sled added at run time has at least 1 GiB of RAM."""
+
+# --- counters -----------------------------------------------------------------------------------------
+
+Generation = Annotated[int, Field(ge=1, le=2**62)]
+BootNumber = Annotated[int, Field(ge=1, le=2**62)]
+"""A sled's boot counter: it only grows, by one at every reboot, and survives restarts of the agent."""
+Sequence = Annotated[int, Field(ge=0, le=2**62)]
+"""A sled's message counter within one boot: (boot number, sequence) orders everything a sled says."""
+
+# --- lists and pools ----------------------------------------------------------------------------------
+
+PAGE_LIMIT = 500
+"""The most rows one list reply carries: far below the broker's max_payload even for the widest rows."""
+
+PageSize = Annotated[int, Field(ge=1, le=PAGE_LIMIT)]
+Cursor = Annotated[str, Field(min_length=1, max_length=300)]
+PoolSize = Annotated[int, Field(ge=0, le=1000)]
+
+# --- fault injection and the simulator ----------------------------------------------------------------
+
+MAX_HOLD_SECONDS = 5
+"""How long a fault may hold a message: the outbox relay gives up on a batch not acked within 10 s."""
+
+HoldSeconds = Annotated[float, Field(ge=0, le=MAX_HOLD_SECONDS)]
+ReorderHoldSeconds = Annotated[float, Field(gt=0, le=MAX_HOLD_SECONDS)]
+ReorderWindow = Annotated[int, Field(ge=0, le=1000)]
+HeldAcks = Annotated[int, Field(ge=0, le=1_000_000)]
+HandlerDelaySeconds = Annotated[float, Field(ge=0, le=600)]
+SubjectPrefix = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\s]+$")]
+SubjectPrefixes = Annotated[list[SubjectPrefix], Field(max_length=20)]
+Copies = Annotated[int, Field(ge=0, le=10)]
+"""How many extra copies of each message a fault sends (a service's, or a simulated sled's)."""
+Probability = Annotated[float, Field(ge=0, le=1)]
+ReportDelaySeconds = Annotated[float, Field(ge=0, le=3600)]
+ReportDelayCount = Annotated[int, Field(ge=0, le=1000)]
+"""How long, and for how many reports, a simulated sled holds its reports back."""
+
+# --- a rule several domains share ---------------------------------------------------------------------
+
+
+def project_within_silo(cls: type, v: str | None, info: ValidationInfo) -> str | None:
+    """A project is named within a silo: a body naming a project names its silo too."""
+    if v is not None and info.data.get("silo") is None:
+        raise ValueError("a project is named within a silo")
+    return v
+
+
+# --- models, the envelope and the registry ------------------------------------------------------------
+
+
+class BadMessage(Exception):
+    """A message that cannot be handled as sent: unparseable, unknown schema or version, invalid data."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class Model(BaseModel):
+    """Commands, reports and deltas are read strictly: a field the reader does not know is an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Event(Model):
+    """Events (and the views they carry) are read tolerantly: a field the reader does not know is ignored,
+    so that adding an optional field keeps the version (docs/subjects.md, "Versions")."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class Envelope(Model):
+    schema_: str = Field(alias="schema", min_length=1, max_length=100)
+    version: int = Field(ge=1)
+    id: uuid.UUID
+    source: str = Field(min_length=1, max_length=200)
+    time: datetime
+    data: dict[str, Any]
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Reply(BaseModel):
+    """The body of every request/reply answer: `ok` with `data`, or an error with a code and message."""
+
+    ok: bool
+    data: Any = None
+    error: dict[str, str] | None = None
+
+
+_REGISTRY: dict[tuple[str, int], type[Model]] = {}
+_SCHEMA_OF: dict[type[Model], tuple[str, int]] = {}
+
+_ModelT = TypeVar("_ModelT", bound=Model)
+
+
+def message(schema: str, version: int = 1) -> Callable[[type[_ModelT]], type[_ModelT]]:
+    """Register a model as the body of `schema` at `version`."""
+
+    def register(cls: type[_ModelT]) -> type[_ModelT]:
+        key = (schema, version)
+        if key in _REGISTRY:
+            raise RuntimeError(f"schema {schema} v{version} registered twice")
+        _REGISTRY[key] = cls
+        _SCHEMA_OF[cls] = key
+        return cls
+
+    return register
+
+
+def schema_of(model: type[Model] | Model) -> tuple[str, int]:
+    cls = model if isinstance(model, type) else type(model)
+    return _SCHEMA_OF[cls]
+
+
+def registry() -> dict[tuple[str, int], type[Model]]:
+    return dict(_REGISTRY)
+
+
+def envelope(body: Model, source: str, msg_id: uuid.UUID | None = None) -> Envelope:
+    schema, version = schema_of(body)
+    return Envelope(
+        schema=schema,
+        version=version,
+        id=msg_id or uuid.uuid4(),
+        source=source,
+        time=datetime.now(UTC),
+        data=body.model_dump(mode="json"),
+    )
+
+
+def encode(env: Envelope) -> bytes:
+    return env.model_dump_json(by_alias=True).encode()
+
+
+def decode(raw: bytes, expect: type[Model] | tuple[type[Model], ...] | None = None) -> tuple[Envelope, Model]:
+    """Parse and validate raw bytes into (envelope, body); raise BadMessage with a reason otherwise."""
+    try:
+        env = Envelope.model_validate_json(raw)
+    except ValidationError as e:
+        raise BadMessage("malformed", f"not a valid envelope: {_first_error(e)}") from None
+    model = _REGISTRY.get((env.schema_, env.version))
+    if model is None:
+        known = sorted(v for (s, v) in _REGISTRY if s == env.schema_)
+        if known:
+            raise BadMessage(
+                "unsupported_version",
+                f"schema {env.schema_} version {env.version} is not supported (supported: {known})",
+            )
+        raise BadMessage("unknown_schema", f"unknown schema {env.schema_!r}")
+    if expect is not None:
+        allowed = expect if isinstance(expect, tuple) else (expect,)
+        if model not in allowed:
+            names = ", ".join(_SCHEMA_OF[m][0] for m in allowed)
+            raise BadMessage("wrong_schema", f"expected {names}, got {env.schema_}")
+    try:
+        body = model.model_validate(env.data)
+    except ValidationError as e:
+        raise BadMessage("invalid", f"{env.schema_} v{env.version}: {_first_error(e)}") from None
+    return env, body
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "message"
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    return f"{where}: {err['msg']}{more}"

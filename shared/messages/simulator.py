@@ -1,0 +1,83 @@
+"""Simulator control (request/reply, rp.sim.*): what an operator or a test asks of sled-agent's simulated
+sleds (faults, reboots, freezes, partitions, adding and removing sleds).
+
+Apart from the sled schemas because a real sled would take none of these: they exist only to put the
+control plane under the failures a rack has.
+"""
+
+from __future__ import annotations
+
+from shared.messages.base import (
+    Copies,
+    Model,
+    Name,
+    Probability,
+    ReportDelayCount,
+    ReportDelaySeconds,
+    SimSledRam,
+    SledVcpus,
+    message,
+)
+from shared.messages.sleds import VmmState
+
+
+@message("rp.sim.faults.set")
+class SimFaults(Model):
+    """Faults a simulated sled applies to its own outgoing reports, until changed."""
+
+    sled_id: Name
+    delay_state: VmmState | None = None
+    delay_seconds: ReportDelaySeconds = 0
+    delay_count: ReportDelayCount = 0
+    duplicate: Copies = 0
+    drop_probability: Probability = 0
+    drop_commands: bool = False
+    """Take commands off the stream but do nothing with them: a sled that never answers a start or stop."""
+    fail_starts: bool = False
+    """Every VMM that boots fails at once instead of running: a crash loop."""
+
+
+@message("rp.sim.sled.list")
+class SimSledList(Model):
+    pass
+
+
+class SimSledRef(Model):
+    sled_id: Name
+
+
+@message("rp.sim.sled.reboot")
+class SimSledReboot(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.freeze")
+class SimSledFreeze(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.thaw")
+class SimSledThaw(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.partition")
+class SimSledPartition(SimSledRef):
+    """Cut the sled off the network until healed: nothing it sends gets out (reports wait, inventories
+    are skipped) and nothing reaches it (its commands wait in the stream). Its VMMs go on running."""
+
+
+@message("rp.sim.sled.heal")
+class SimSledHeal(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.remove")
+class SimSledRemove(SimSledRef):
+    pass
+
+
+@message("rp.sim.sled.add")
+class SimSledAdd(Model):
+    vcpus: SledVcpus = 64
+    ram_bytes: SimSledRam = 256 * 2**30
