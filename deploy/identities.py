@@ -23,7 +23,9 @@ compares them).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import os
 import re
 import sys
@@ -125,7 +127,7 @@ def service_grants(name: str) -> Grants:
             | Grants(
                 publish=(
                     subjects.sled_command("*", ">"),
-                    subjects.provision_delta("*", "*"),
+                    subjects.provision_delta("*", "*", "*"),
                     subjects.event("*", "silo", "created"),
                     subjects.event("*", "project", "created"),
                     subjects.event("*", "instance", "changed"),
@@ -138,7 +140,13 @@ def service_grants(name: str) -> Grants:
         return (
             service_common(name)
             | serves(subjects.command_pattern("usage"))
-            | consume(subjects.PROVISION_STREAM, "accounting-deltas", "rp.acct.delta.>")
+            | functools.reduce(
+                operator.or_,
+                (
+                    consume(subjects.PROVISION_STREAM, subjects.delta_durable(p), subjects.delta_partition(p))
+                    for p in range(subjects.DELTA_PARTITIONS)
+                ),
+            )
             | consume(ev, "accounting-silos", subjects.event("*", "silo", "created"))
             | consume(ev, "accounting-projects", subjects.event("*", "project", "created"))
             | Grants(
@@ -215,15 +223,20 @@ STREAM_ADMIN = Grants(
     )
 )
 TEST_CONSUMERS = Grants(
-    publish=(
-        f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.EVENTS_STREAM}.*",
-        f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.*.>",
-        f"$JS.API.CONSUMER.DELETE.{subjects.EVENTS_STREAM}.*",
-        f"$JS.API.CONSUMER.MSG.NEXT.{subjects.EVENTS_STREAM}.*",
-        f"$JS.ACK.{subjects.EVENTS_STREAM}.>",
+    publish=tuple(
+        grant
+        for stream in (subjects.EVENTS_STREAM, subjects.PROVISION_STREAM)
+        for grant in (
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
+            f"$JS.API.CONSUMER.CREATE.{stream}.*.>",
+            f"$JS.API.CONSUMER.DELETE.{stream}.*",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+            f"$JS.ACK.{stream}.>",
+        )
     )
 )
-"""Tests follow EVENTS through durables of their own (a test identity only: operators never may)."""
+"""Tests follow EVENTS and read deltas through durables of their own (a test identity only: operators never
+may)."""
 NEVER = ("$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")
 """Denied to every identity: streams are created and updated by deploy, and never deleted or purged."""
 

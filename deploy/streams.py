@@ -30,6 +30,9 @@ def configs(window: float | None = None) -> list[api.StreamConfig]:
             retention=api.RetentionPolicy.LIMITS,
             duplicate_window=window,
             max_age=MAX_AGE_S,
+            subject_transform=(
+                api.SubjectTransform(src=t[0], dest=t[1]) if (t := subjects.TRANSFORMS.get(name)) else None
+            ),
         )
         for name, subs in subjects.STREAMS.items()
     ]

@@ -56,7 +56,8 @@ async def totals_match_ledger(conn: asyncpg.Connection) -> list[str]:
                (SELECT coalesce(sum(vcpus), 0) FROM accounting.instance_charges) AS c_vcpus,
                (SELECT coalesce(sum(ram_bytes), 0) FROM accounting.instance_charges) AS c_ram,
                (SELECT coalesce(sum(disk_bytes), 0) FROM accounting.instance_charges) AS c_disk
-        FROM accounting.fleet f
+        FROM (SELECT coalesce(sum(vcpus), 0) AS vcpus, coalesce(sum(ram_bytes), 0) AS ram_bytes,
+                     coalesce(sum(disk_bytes), 0) AS disk_bytes FROM accounting.silos) f
         """
     )
     if (fleet["vcpus"], fleet["ram_bytes"], fleet["disk_bytes"]) != (
@@ -175,12 +176,11 @@ async def no_unfinished_sagas(conn: asyncpg.Connection) -> list[str]:
 
 
 async def totals_never_negative(conn: asyncpg.Connection) -> list[str]:
-    """No total (project, silo, fleet) and no instance's charge is below zero."""
+    """No total (project, silo; the fleet's is their sum) and no instance's charge is below zero."""
     rows = await conn.fetch(
         """
         SELECT 'project ' || id AS what, vcpus, ram_bytes, disk_bytes FROM accounting.projects
         UNION ALL SELECT 'silo ' || name, vcpus, ram_bytes, disk_bytes FROM accounting.silos
-        UNION ALL SELECT 'fleet', vcpus, ram_bytes, disk_bytes FROM accounting.fleet
         UNION ALL SELECT 'charge of instance ' || instance_id, vcpus, ram_bytes, disk_bytes
             FROM accounting.instance_charges
         """
@@ -240,7 +240,7 @@ CONSUMERS = {
     "instance-manager-vmm-reports": subjects.SLED_REPORT_STREAM,
     "instance-manager-inventory": subjects.SLED_REPORT_STREAM,
     "instance-manager-outcomes": subjects.EVENTS_STREAM,
-    "accounting-deltas": subjects.PROVISION_STREAM,
+    **{subjects.delta_durable(p): subjects.PROVISION_STREAM for p in range(subjects.DELTA_PARTITIONS)},
     "accounting-silos": subjects.EVENTS_STREAM,
     "accounting-projects": subjects.EVENTS_STREAM,
     "recovery-instances": subjects.EVENTS_STREAM,

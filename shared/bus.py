@@ -21,6 +21,7 @@ import ssl
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import nats
@@ -228,6 +229,7 @@ class Consumer:
         ack_wait: float | None = None,
         batch: int = 64,
         verify: Callable[[str, Any], str | None] | None = None,
+        dead_letters: str | None = None,
     ) -> None:
         self.js = js
         self.service = service
@@ -242,6 +244,9 @@ class Consumer:
         self.batch = batch
         self.verify = verify
         """Checks a valid message against its subject; a reason means it is dead-lettered unhandled."""
+        self.dead_letters = dead_letters or durable
+        """The consumer name its dead letters are filed under (`rp.dlq.<service>.<name>`): one name for the
+        durables of all partitions of one stream."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
@@ -310,22 +315,26 @@ class Consumer:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            delivered = msg.metadata.num_delivered
-            if transient(e):  # the database or broker is away: retry for as long as it takes
-                log.warning("%s/%s: handler waits for the infrastructure: %s", self.service, self.durable, e)
-                telemetry.count(f"{self.durable}.transient_errors")
-                await _settle(msg.nak(delay=min(0.1 * 2**delivered, 2.0)))
-                return
-            log.exception("%s/%s: handler failed (delivery %d)", self.service, self.durable, delivered)
-            if delivered >= self.max_deliver:
-                await self._dead_letter(msg, f"handler failed {delivered} times: {type(e).__name__}: {e}")
-            else:
-                await _settle(msg.nak(delay=min(0.1 * 2**delivered, 5.0)))
+            await self._failed(msg, e)
             return
         if FAULTS.active and FAULTS.holds_ack(msg):
             return  # held back on purpose: JetStream redelivers it after ack_wait
         crash_point(f"after-commit:{self.durable}")
         await _settle(msg.ack())
+
+    async def _failed(self, msg: Msg, e: Exception) -> None:
+        """The handler raised: retry while the infrastructure is away, else a few times, then dead-letter."""
+        delivered = msg.metadata.num_delivered
+        if transient(e):  # the database or broker is away: retry for as long as it takes
+            log.warning("%s/%s: handler waits for the infrastructure: %s", self.service, self.durable, e)
+            telemetry.count(f"{self.durable}.transient_errors")
+            await _settle(msg.nak(delay=min(0.1 * 2**delivered, 2.0)))
+            return
+        log.error("%s/%s: handler failed (delivery %d)", self.service, self.durable, delivered, exc_info=e)
+        if delivered >= self.max_deliver:
+            await self._dead_letter(msg, f"handler failed {delivered} times: {type(e).__name__}: {e}")
+        else:
+            await _settle(msg.nak(delay=min(0.1 * 2**delivered, 5.0)))
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         """Park the message with its reason in the DLQ stream, then stop its redelivery."""
@@ -340,7 +349,7 @@ class Consumer:
         }
         try:
             await self.js.publish(
-                subjects.dead_letter(self.service, self.durable), msg.data or b"", headers=headers
+                subjects.dead_letter(self.service, self.dead_letters), msg.data or b"", headers=headers
             )
         except Exception as e:
             log.warning("%s/%s: dead-letter failed (%s); will retry", self.service, self.durable, e)
@@ -349,6 +358,139 @@ class Consumer:
         log.warning("%s/%s: dead-lettered %s: %s", self.service, self.durable, msg.subject, reason)
         telemetry.count(f"{self.durable}.dead_lettered")
         await _settle(msg.term())
+
+
+@dataclass
+class Delivery:
+    """One decoded message of a batch. The batch handler sets `refused` on a message it did not apply
+    (a `Retry` to have it redelivered later, a `Reject` to dead-letter it); the others are acked."""
+
+    env: Envelope
+    body: Any
+    msg: Msg
+    refused: Retry | Reject | None = None
+
+
+BatchHandler = Callable[[list[Delivery]], Awaitable[None]]
+
+
+async def _unused(env: Envelope, body: Any, msg: Msg) -> None:
+    raise NotImplementedError("a batch consumer hands whole batches to its batch handler")
+
+
+class BatchConsumer(Consumer):
+    """A durable pull consumer that hands its handler every message a fetch returned, at once.
+
+    The handler applies the batch in one transaction; after it returned, every message it did not refuse
+    is acked (so after the commit). The next fetch is already on its way while a batch is applied. A
+    message that cannot be decoded or verified is dead-lettered alone before the handler sees the batch;
+    if the handler fails on a batch, the batch is split in halves and each applied on its own, so that
+    one poison message ends up alone (and then goes the way of `Consumer.handle`: retried, and
+    dead-lettered after `max_deliver` attempts) while the rest of the batch still applies.
+    """
+
+    def __init__(
+        self, js: JetStreamContext, *, batch_handler: BatchHandler, batch: int = 1000, **kw: Any
+    ) -> None:
+        super().__init__(js, handler=_unused, batch=batch, **kw)
+        self.batch_handler = batch_handler
+
+    async def run(self) -> None:
+        sub = None
+        pending: asyncio.Task[list[Msg]] | None = None
+        try:
+            while True:
+                try:
+                    if sub is None:
+                        sub = await self._subscribe()
+                    if pending is None:
+                        pending = asyncio.ensure_future(sub.fetch(self.batch, timeout=1.0))
+                    msgs = await pending
+                    pending = asyncio.ensure_future(sub.fetch(self.batch, timeout=1.0))
+                except TimeoutError:
+                    pending = None
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # broker restarting, consumer gone, connection closed
+                    log.warning("%s/%s: fetch failed (%s); retrying", self.service, self.durable, e)
+                    telemetry.count(f"{self.durable}.fetch_errors")
+                    sub, pending = None, None
+                    await asyncio.sleep(0.5)
+                    continue
+                await self.handle_batch(msgs)
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    async def handle_batch(self, msgs: list[Msg]) -> None:
+        batch: list[Delivery] = []
+        for msg in msgs:
+            try:
+                env, body = decode(msg.data, self.expect)
+            except BadMessage as e:
+                await self._dead_letter(msg, f"{e.code}: {e.reason}")
+                continue
+            if self.verify is not None and (refused := self.verify(msg.subject, body)):
+                await self._dead_letter(msg, refused)
+                continue
+            if FAULTS.active and FAULTS.slows(
+                msg
+            ):  # handled late, on its own, so that its redelivery overtakes it
+                task = asyncio.create_task(self._slowly(Delivery(env, body, msg)))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                continue
+            batch.append(Delivery(env, body, msg))
+        if batch:
+            await self._apply(batch)
+
+    async def _slowly(self, d: Delivery) -> None:
+        await FAULTS.before_handler(d.msg)
+        await self._apply([d])
+
+    async def _apply(self, batch: list[Delivery]) -> None:
+        try:
+            with telemetry.span(
+                f"process {self.filter_subject}",
+                batch[0].msg.headers,
+                **{
+                    "messaging.destination.name": self.filter_subject,
+                    "messaging.batch.message_count": len(batch),
+                },
+            ):
+                await self.batch_handler(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if transient(
+                e
+            ):  # the database or broker is away: the whole batch is retried, for as long as it takes
+                log.warning("%s/%s: batch waits for the infrastructure: %s", self.service, self.durable, e)
+                telemetry.count(f"{self.durable}.transient_errors")
+                for d in batch:
+                    await _settle(d.msg.nak(delay=min(0.1 * 2**d.msg.metadata.num_delivered, 2.0)))
+                return
+            if len(batch) == 1:  # alone: retried a few times, then dead-lettered with the reason
+                await self._failed(batch[0].msg, e)
+                return
+            log.warning(
+                "%s/%s: batch of %d failed (%s); splitting it", self.service, self.durable, len(batch), e
+            )
+            telemetry.count(f"{self.durable}.batch_splits")
+            half = len(batch) // 2
+            await self._apply(batch[:half])
+            await self._apply(batch[half:])
+            return
+        crash_point(f"after-commit:{self.durable}")
+        for d in batch:
+            if isinstance(d.refused, Reject):
+                await self._dead_letter(d.msg, d.refused.reason)
+            elif isinstance(d.refused, Retry):
+                telemetry.count(f"{self.durable}.retried")
+                await _settle(d.msg.nak(delay=d.refused.delay))
+            elif not (FAULTS.active and FAULTS.holds_ack(d.msg)):  # a held ack: redelivered after ack_wait
+                await _settle(d.msg.ack())
 
 
 async def _settle(op: Awaitable[None]) -> None:

@@ -48,6 +48,7 @@ PARAMETERS = {
     "silo": f"a silo's name, or `{subjects.FLEET}` for fleet-wide commands and events",
     "sled": "a sled's id",
     "project": "a project's name within the silo",
+    "instance": "an instance's id (it decides the partition the delta is kept in)",
     "service": "a service's name: " + ", ".join(subjects.SERVICES),
 }
 
@@ -123,12 +124,12 @@ def channels() -> list[Channel]:
         elif schema == "rp.acct.delta":
             out.append(
                 Channel(
-                    "rp.acct.delta.{silo}.{project}",
+                    "rp.acct.delta.{silo}.{project}.{instance}",
                     "stream",
                     (schema,),
                     ("instance-manager",),
                     ("accounting",),
-                    f"a provisioning delta (stream {subjects.PROVISION_STREAM})",
+                    f"a provisioning delta (stream {subjects.PROVISION_STREAM}, by partition of instance)",
                 )
             )
         elif schema.startswith("rp.evt."):

@@ -5,6 +5,7 @@ was committed before that point, and only that, survives.
   saga:<kind>/<step>          before a saga step runs (`saga:instance-start/undo:interlock` for an undo)
   saga:<kind>/after:<step>    after a remote step's action, before its progress is committed
   after-commit:<consumer>     after a stream handler's transaction committed, before its ack
+A point ending in `*` names every point it is the start of (`after-commit:accounting-deltas-*`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ POINTS = frozenset(p for p in os.environ.get("RACKPLANE_CRASH_AT", "").split(","
 
 
 def crash_point(name: str) -> None:
-    if name in POINTS:
+    if POINTS and any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in POINTS):
         log.warning("crashing at %s, as RACKPLANE_CRASH_AT asks", name)
         logging.shutdown()
         os._exit(137)

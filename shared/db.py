@@ -135,6 +135,24 @@ async def enqueue(
     await conn.execute(queries(OUTBOX)["enqueue"], env.id, subject, encode(env), headers_for(env))
 
 
+async def enqueue_many(
+    conn: asyncpg.Connection, messages: list[tuple[str, Model, str | None]], *, source: str
+) -> None:
+    """`enqueue` for many (subject, body, key) at once, in their order, in one statement."""
+    if not messages:
+        return
+    envs = [
+        (subject, envelope(body, source, msg_id_for(key) if key else None)) for subject, body, key in messages
+    ]
+    await conn.execute(
+        queries(OUTBOX)["enqueue_many"],
+        [e.id for _, e in envs],
+        [subject for subject, _ in envs],
+        [encode(e) for _, e in envs],
+        [headers_for(e) for _, e in envs],
+    )
+
+
 class OutboxRelay:
     """Publishes committed outbox rows to JetStream in order, then deletes them.
 

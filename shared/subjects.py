@@ -19,10 +19,25 @@ DLQ_STREAM = "DLQ"
 STREAMS: dict[str, list[str]] = {
     SLED_CMD_STREAM: ["rp.sled.*.cmd.>"],
     SLED_REPORT_STREAM: ["rp.sled.*.report.>"],
-    PROVISION_STREAM: ["rp.acct.delta.>"],
+    PROVISION_STREAM: ["rp.acct.delta.*.*.*"],
     EVENTS_STREAM: ["rp.evt.>"],
     DLQ_STREAM: ["rp.dlq.>"],
 }
+
+
+DELTA_PARTITIONS = 4
+"""Provisioning deltas are spread over this many partitions by instance (the broker's partition function),
+each consumed by its own durable, so that batches of different partitions apply side by side."""
+
+TRANSFORMS: dict[str, tuple[str, str]] = {
+    PROVISION_STREAM: (
+        "rp.acct.delta.*.*.*",
+        f"rp.acct.part.{{{{partition({DELTA_PARTITIONS},3)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}.{{{{wildcard(3)}}}}",
+    ),
+}
+"""Stream -> (published subjects, stored subject): a delta published on `rp.acct.delta.<silo>.<project>.
+<instance>` is stored as `rp.acct.part.<partition>.<silo>.<project>.<instance>`, the partition a hash of
+the instance id, so one instance's deltas always share a partition and keep their order."""
 
 
 def command(silo: str | None, resource: str, verb: str) -> str:
@@ -45,9 +60,23 @@ def sled_report(sled_id: str, kind: str) -> str:
     return f"rp.sled.{sled_id}.report.{kind}"
 
 
-def provision_delta(silo: str, project: str) -> str:
-    """Provisioning delta (JetStream), consumed by accounting: `rp.acct.delta.<silo>.<project>`."""
-    return f"rp.acct.delta.{silo}.{project}"
+def provision_delta(silo: str, project: str, instance: object) -> str:
+    """Provisioning delta (JetStream), consumed by accounting: `rp.acct.delta.<silo>.<project>.<instance>`."""
+    return f"rp.acct.delta.{silo}.{project}.{instance}"
+
+
+def delta_partition(partition: int | str) -> str:
+    """One partition of the stored deltas: `rp.acct.part.<partition>.<silo>.<project>.<instance>`."""
+    return f"rp.acct.part.{partition}.>"
+
+
+DELTA_DEAD_LETTERS = "accounting-deltas"
+"""The name every partition files its dead letters under: `rp.dlq.accounting.accounting-deltas`."""
+
+
+def delta_durable(partition: int | str) -> str:
+    """accounting's durable consumer of one partition."""
+    return f"accounting-deltas-{partition}"
 
 
 def event(silo: str | None, resource: str, what: str) -> str:

@@ -14,7 +14,7 @@ import asyncpg
 
 from deploy.stack import Stack
 from rackctl.client import Client
-from services.accounting.ledger import apply_delta
+from services.accounting.ledger import Applied, Charge, apply_batch
 from shared import bus, subjects
 from shared.db import create_pool
 from shared.messages import ProvisionDelta
@@ -82,11 +82,13 @@ async def test_duplicated_and_reordered_deltas_give_the_same_totals(
         twice += lifecycle_deltas(uuid.uuid4(), twice_proj_id, twice_silo_id, random.Random(seed))
 
     for d in once:
-        await bus.publish(js, subjects.provision_delta(once_silo, once_proj), d, source="test")
+        await bus.publish(js, subjects.provision_delta(once_silo, once_proj, d.instance_id), d, source="test")
     shuffled = twice + twice
     rng.shuffle(shuffled)
     for d in shuffled:
-        await bus.publish(js, subjects.provision_delta(twice_silo, twice_proj), d, source="test")
+        await bus.publish(
+            js, subjects.provision_delta(twice_silo, twice_proj, d.instance_id), d, source="test"
+        )
 
     async def settled() -> bool:
         a = (await client.usage(once_silo))["usage"]
@@ -125,15 +127,15 @@ async def test_concurrent_applications_of_one_charge_serialize(
     pool = await create_pool(dsn, "accounting", min_size=10, max_size=10)
     try:
         async with pool.acquire() as conn, conn.transaction():  # the instance exists, with its disk
-            await apply_delta(
-                conn, silo, proj, delta.model_copy(update={"generation": 1, "vcpus": 0, "ram_bytes": 0})
-            )
+            first = delta.model_copy(update={"generation": 1, "vcpus": 0, "ram_bytes": 0})
+            await apply_batch(conn, [Charge(silo, proj, first)])
         start = asyncio.Event()
 
         async def apply_once() -> str:
             async with pool.acquire() as conn, conn.transaction():
                 await start.wait()
-                result = await apply_delta(conn, silo, proj, delta)
+                [result] = await apply_batch(conn, [Charge(silo, proj, delta)])
+                assert isinstance(result, Applied)
                 await asyncio.sleep(0.05)  # hold the transaction open while the others queue up
                 return result.outcome.value + (" (repeat)" if result.repeat else "")
 

@@ -152,7 +152,9 @@ async def test_a_bad_sled_report_is_dead_lettered_with_its_reason(
 async def test_a_bad_delta_is_dead_lettered(client: Client, jetstream_as: JetStreamAs) -> None:
     js = await jetstream_as("instance-manager")
     payload = raw_envelope("rp.acct.delta", 1, {"instance_id": "nope"})
-    await js.publish(subjects.provision_delta("s", "p"), payload, headers={MSG_ID: str(uuid.uuid4())})
+    await js.publish(
+        subjects.provision_delta("s", "p", uuid.uuid4()), payload, headers={MSG_ID: str(uuid.uuid4())}
+    )
 
     async def parked() -> Any:
         entry = await dead_letter(client, "accounting", "accounting-deltas")

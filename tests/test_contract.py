@@ -54,7 +54,7 @@ def test_channel_addresses_are_the_subjects_the_code_uses() -> None:
     assert address("rp.cmd.vmm.lost") == subjects.command(None, "vmm", "lost")
     assert address("rp.sled.vmm.ensure") == subjects.sled_command("sled-7", "vmm.ensure")
     assert address("rp.sled.inventory") == subjects.sled_report("sled-7", "inventory")
-    assert address("rp.acct.delta") == subjects.provision_delta("acme", "web")
+    assert address("rp.acct.delta") == subjects.provision_delta("acme", "web", "{instance}")
     assert address("rp.evt.instance.changed") == subjects.event("acme", "instance", "changed")
     assert address("rp.evt.sled.changed") == subjects.event(None, "sled", "changed")
     assert address("rp.svc.stats") == subjects.stats("accounting")

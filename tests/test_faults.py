@@ -336,7 +336,7 @@ async def test_held_acks_make_jetstream_redeliver_deltas(chaos: Rack) -> None:
     duplicates = await counter(client, "accounting", "deltas.duplicate")
     silo, proj = await new_project(client)
     await client.faults(
-        "accounting", ServiceFaults(hold_acks=HoldAcksFault(count=4), only=["rp.acct.delta."])
+        "accounting", ServiceFaults(hold_acks=HoldAcksFault(count=4), only=["rp.acct."])
     )
     expected = await churn(client, silo, proj, 2, keep=1)
     assert await injected(client, "accounting", "hold_ack") == held + 4
@@ -356,7 +356,7 @@ async def test_a_redelivery_while_the_first_handler_runs(chaos: Rack) -> None:
     slowed = await injected(client, "accounting", "slow_handler")
     fenced = await _fenced(client)
     silo, proj = await new_project(client)
-    await client.faults("accounting", ServiceFaults(slow_handler_seconds=6, only=["rp.acct.delta."]))
+    await client.faults("accounting", ServiceFaults(slow_handler_seconds=6, only=["rp.acct."]))
     await client.instance_create(silo, proj, "vm", vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
     started = time.monotonic()
     await client.instance("start", silo, proj, "vm")  # its charge step waits for accounting's outcome

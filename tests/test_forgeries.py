@@ -43,7 +43,8 @@ async def totals(db: asyncpg.Pool) -> list[tuple[Any, ...]]:
     rows = await db.fetch(
         "SELECT 'silo', id, vcpus, ram_bytes, disk_bytes FROM accounting.silos UNION ALL "
         "SELECT 'project', id, vcpus, ram_bytes, disk_bytes FROM accounting.projects UNION ALL "
-        "SELECT 'fleet', NULL, vcpus, ram_bytes, disk_bytes FROM accounting.fleet ORDER BY 1, 2"
+        "SELECT 'fleet', NULL, sum(vcpus), sum(ram_bytes), sum(disk_bytes) FROM accounting.silos "
+        "ORDER BY 1, 2"
     )
     return [tuple(r) for r in rows]
 
@@ -52,7 +53,9 @@ async def publish_delta(js: Any, silo: str, project: str, d: ProvisionDelta) -> 
     """Sent with instance-manager's credential: the broker lets only it publish deltas, so a forgery
     reaching accounting comes from a compromised or buggy instance-manager."""
     payload = encode(envelope(d, "forger"))
-    await js.publish(subjects.provision_delta(silo, project), payload, headers={MSG_ID: str(uuid.uuid4())})
+    await js.publish(
+        subjects.provision_delta(silo, project, d.instance_id), payload, headers={MSG_ID: str(uuid.uuid4())}
+    )
     return payload
 
 
@@ -181,7 +184,7 @@ async def test_an_oversized_delta_on_the_bus_is_dead_lettered(
     data = delta(uuid.uuid4(), uuid.uuid4()).model_dump(mode="json") | {"disk_bytes": 2**62}
     payload = raw_envelope("rp.acct.delta", 1, data)
     await (await jetstream_as("instance-manager")).publish(
-        subjects.provision_delta("s", "p"), payload, headers={MSG_ID: str(uuid.uuid4())}
+        subjects.provision_delta("s", "p", uuid.uuid4()), payload, headers={MSG_ID: str(uuid.uuid4())}
     )
     entry = await parked(client, payload)
     assert entry.headers["Rp-Dlq-Reason"].startswith("invalid: rp.acct.delta v1: disk_bytes")

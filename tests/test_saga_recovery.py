@@ -182,7 +182,7 @@ async def test_accounting_killed_between_commit_and_ack_counts_the_charge_once(
     await client.project_create(silo, proj)
     await client.instance_create(silo, proj, name, vcpus=3, ram_bytes=GiB, disk_bytes=GiB)
 
-    restart(stack, "accounting", crash_at="after-commit:accounting-deltas")
+    restart(stack, "accounting", crash_at="after-commit:accounting-deltas-*")
     # the reply waits for the charge, which waits for accounting to come back
     await start_and_let_it_crash(stack, client, silo, proj, name, "accounting")
     restart(stack, "accounting")

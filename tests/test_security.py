@@ -49,9 +49,10 @@ SUBJECTS = [
     "rp.sled.sled-3.cmd.vmm.ensure", "rp.sled.sled-4.cmd.vmm.destroy", "rp.sled.sled-3.report.vmm",
     "rp.sled.sled-3.report.inventory", "rp.sled.sled-4.report.vmm",
     # accounting, events, dead letters
-    "rp.acct.delta.acme.web", "rp.evt.acme.instance.changed", "rp.evt.other.instance.changed",
-    "rp.evt.acme.provision.outcome", "rp.evt.acme.usage.changed", "rp.evt._fleet.sled.changed",
-    "rp.evt.acme.silo.created", "rp.dlq.accounting.accounting-deltas", "rp.dlq.sled-agent.sled-agent-sled-3",
+    "rp.acct.delta.acme.web.i-1", "rp.acct.part.0.acme.web.i-1", "rp.evt.acme.instance.changed",
+    "rp.evt.other.instance.changed", "rp.evt.acme.provision.outcome", "rp.evt.acme.usage.changed",
+    "rp.evt._fleet.sled.changed", "rp.evt.acme.silo.created", "rp.dlq.accounting.accounting-deltas",
+    "rp.dlq.sled-agent.sled-agent-sled-3",
     "rp.dlq.sled-agent.sled-agent-sled-4",
     # services, simulator
     "rp.svc.accounting.stats", "rp.svc.accounting.faults", "rp.svc.sled-agent.faults", "rp.sim.sled.add",
@@ -70,11 +71,11 @@ SUBJECTS = [
     "$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-3",
     "$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-4",
     "$JS.API.CONSUMER.DELETE.SLED_CMD.sled-agent-sled-3",
-    "$JS.API.CONSUMER.CREATE.PROVISION.accounting-deltas.rp.acct.delta.>",
-    "$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas",
-    "$JS.API.CONSUMER.DELETE.PROVISION.accounting-deltas",
+    "$JS.API.CONSUMER.CREATE.PROVISION.accounting-deltas-0.rp.acct.part.0.>",
+    "$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas-0",
+    "$JS.API.CONSUMER.DELETE.PROVISION.accounting-deltas-0",
     "$JS.API.CONSUMER.LIST.EVENTS", "$JS.API.CONSUMER.NAMES.EVENTS", "$JS.API.CONSUMER.PAUSE.EVENTS.x",
-    "$JS.ACK.PROVISION.accounting-deltas.1.1.1.1.0", "$JS.ACK.SLED_CMD.sled-agent-sled-3.1.1.1.1.0",
+    "$JS.ACK.PROVISION.accounting-deltas-0.1.1.1.1.0", "$JS.ACK.SLED_CMD.sled-agent-sled-3.1.1.1.1.0",
     "$JS.ACK.SLED_CMD.sled-agent-sled-4.1.1.1.1.0", "$JS.FC.EVENTS.x",
     # inboxes
     "_INBOX_test.x", "_INBOX_sled-3.x", "_INBOX_accounting.x",
@@ -182,7 +183,8 @@ def test_the_grants_that_matter() -> None:
         assert publishers(verb) == nobody
     assert publishers("$JS.API.STREAM.CREATE.PROBE") == {"stream-admin"}
     assert publishers("$JS.API.STREAM.UPDATE.PROBE") == {"stream-admin"}
-    assert publishers("rp.acct.delta.acme.web") == {"instance-manager"}
+    assert publishers("rp.acct.delta.acme.web.i-1") == {"instance-manager"}
+    assert publishers("rp.acct.part.0.acme.web.i-1") == nobody  # what the stream stores: no one sends it
     assert publishers("rp.sled.sled-4.cmd.vmm.destroy") == {"instance-manager"}
     assert publishers("rp.evt.acme.provision.outcome") == {"accounting"}
     assert publishers("rp.sled.sled-3.report.vmm") == {"sled-3"}
@@ -209,7 +211,7 @@ def test_the_grants_that_matter() -> None:
     assert publishers("$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-3.rp.sled.sled-4.cmd.>") == {
         "stream-admin"
     }
-    assert publishers("$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas") == {"accounting"}
+    assert publishers("$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas-0") == {"accounting", "test"}
     subscribers = {i.name for i in PROBED if may_subscribe(i.grants, "rp.evt.other.instance.changed")}
     assert subscribers == {"fleet-operator", "console", "test"}
     assert {i.name for i in PROBED if may_subscribe(i.grants, "_INBOX_sled-3.x")} == {"sled-3"}

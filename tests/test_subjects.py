@@ -115,7 +115,7 @@ def test_documented_shapes_match_the_builders(doc: str) -> None:
     assert subjects.command_pattern("instance") == "rp.cmd.*.instance.*"
     assert subjects.sled_command("sled-0", "vmm.ensure") == "rp.sled.sled-0.cmd.vmm.ensure"
     assert subjects.sled_report("sled-0", "vmm") == "rp.sled.sled-0.report.vmm"
-    assert subjects.provision_delta("acme", "web") == "rp.acct.delta.acme.web"
+    assert subjects.provision_delta("acme", "web", "i-1") == "rp.acct.delta.acme.web.i-1"
     assert subjects.event(None, "sled", "changed") == "rp.evt._fleet.sled.changed"
     assert subjects.dead_letter("accounting", "accounting-deltas") == "rp.dlq.accounting.accounting-deltas"
     assert subjects.stats("recovery") == "rp.svc.recovery.stats"
@@ -124,7 +124,7 @@ def test_documented_shapes_match_the_builders(doc: str) -> None:
         "rp.cmd.<silo|_fleet>.<resource>.<verb>",
         "rp.sled.<sled>.cmd.<verb>",
         "rp.sled.<sled>.report.vmm|inventory",
-        "rp.acct.delta.<silo>.<project>",
+        "rp.acct.delta.<silo>.<project>.<instance>",
         "rp.evt.<silo|_fleet>.<resource>.<what>",
         "rp.dlq.<service>.<consumer>",
         "rp.svc.<service>.stats",

@@ -1,9 +1,9 @@
-"""Applying one provisioning delta: the generation fence, the quota check and the totals, in one
-transaction.
+"""Applying a batch of provisioning deltas: the generation fence, the quota check and the totals, in one
+transaction of a few set-based statements, with exactly the outcomes of applying them one by one.
 
-Invariant: for every project, silo and the fleet, each total equals the sum of the charges held in
-instance_charges for the instances under it; a total never goes below zero; a silo's vCPU, RAM and disk
-totals never exceed its quotas by an increase.
+Invariant: for every project and silo, each total equals the sum of the charges held in instance_charges
+for the instances under it (the fleet's totals are the sum of the silos'); a total never goes below zero;
+a silo's vCPU, RAM and disk totals never exceed its quotas by an increase.
 
 How it holds, whatever the order and number of deliveries:
 - a delta states an instance's whole charge at a generation; it is applied only if that generation is
@@ -11,23 +11,31 @@ How it holds, whatever the order and number of deliveries:
 - a delta at the held generation is a repeat: nothing moves, and its recorded outcome is sent again,
   so a retried charge is never refused by a quota check that counts its own earlier charge;
 - a delta at an older generation is stale: nothing moves;
-- the instance's row is locked first, so two deliveries of deltas for one instance serialize.
+- the batch's instance rows, then its silo rows, are locked in key order before anything is decided, so
+  two batches (two partitions, two replicas) touching one instance or one silo serialize, without deadlock;
+- under those locks the deltas are decided in stream order, in memory: each sees the fence and the silo
+  totals as the deltas before it in the batch left them, which is what one-by-one application would see.
+  Then one statement per table writes what was decided.
 """
 
 from __future__ import annotations
 
+import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
 from shared import subjects, telemetry
-from shared.db import enqueue, queries
-from shared.messages import MAX_TOTAL, Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
+from shared.db import enqueue_many, queries
+from shared.messages import MAX_TOTAL, Model, Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
 
 SOURCE = "accounting"
 Q = queries(Path(__file__).parent / "queries.sql")
 GiB = 2**30
+AMOUNTS = ("vcpus", "ram_bytes", "disk_bytes")
 
 
 class UnknownSilo(Exception):
@@ -47,128 +55,213 @@ class Forged(Exception):
 
 
 @dataclass(frozen=True)
+class Charge:
+    """One delivered delta, with the silo and project names its subject gave."""
+
+    silo: str
+    project: str
+    delta: ProvisionDelta
+
+
+@dataclass(frozen=True)
 class Applied:
     outcome: Outcome
     reason: str
     repeat: bool = False
 
 
-async def apply_delta(conn: asyncpg.Connection, silo: str, project: str, d: ProvisionDelta) -> Applied:
-    """Apply `d` inside the caller's transaction and queue its outcome (and the new usage) as events."""
-    await check_owner(conn, silo, project, d)
-    await conn.execute(Q["charge_row_ensure"], d.instance_id, d.project_id, d.silo_id)
-    held = await conn.fetchrow(Q["charge_row_lock"], d.instance_id)
-    if (held["project_id"], held["silo_id"]) != (d.project_id, d.silo_id):
-        raise Forged(
-            f"instance {d.instance_id} is charged to project {held['project_id']} of silo {held['silo_id']}, "
-            f"not to project {d.project_id} of silo {d.silo_id}"
-        )
+Result = Applied | UnknownSilo | UnknownProject | Forged
 
-    if d.generation == held["generation"]:
-        telemetry.count("deltas.duplicate")
-        result = Applied(Outcome(held["outcome"]), held["reason"], repeat=True)
-    elif d.generation < held["generation"]:
-        telemetry.count("deltas.stale")
-        result = Applied(Outcome.stale, f"generation {d.generation} is older than {held['generation']}")
-    else:
-        dv = d.vcpus - held["vcpus"]
-        dr = d.ram_bytes - held["ram_bytes"]
-        dd = d.disk_bytes - held["disk_bytes"]
-        totals = await conn.fetchrow(Q["apply_totals"], d.silo_id, dv, dr, dd, d.project_id, MAX_TOTAL)
-        if totals is None:
-            telemetry.count("deltas.refused")
-            reason = await refusal(conn, d.silo_id, dv, dr, dd)
-            await conn.execute(
-                Q["charge_row_set"],
-                d.instance_id,
-                d.generation,
-                held["vcpus"],
-                held["ram_bytes"],
-                held["disk_bytes"],
-                Outcome.refused.value,
-                reason,
-            )
-            result = Applied(Outcome.refused, reason)
+
+async def apply_batch(conn: asyncpg.Connection, charges: list[Charge]) -> list[Result]:
+    """Apply `charges` (in stream order) inside the caller's transaction; queue every outcome, and the new
+    usage of each project that moved, as events. One result per charge, in order: an `Applied`, or the
+    reason it was not applied (nothing of it moved)."""
+    results: list[Result | None] = [None] * len(charges)
+    silos = {r["id"]: r for r in await conn.fetch(Q["silos_of"], list({c.delta.silo_id for c in charges}))}
+    projects = {
+        r["id"]: r for r in await conn.fetch(Q["projects_of"], list({c.delta.project_id for c in charges}))
+    }
+    valid: list[int] = []
+    for i, c in enumerate(charges):
+        if (error := owner_error(c, silos, projects)) is not None:
+            results[i] = error
         else:
-            telemetry.count("deltas.applied")
-            await conn.execute(
-                Q["charge_row_set"],
-                d.instance_id,
-                d.generation,
-                d.vcpus,
-                d.ram_bytes,
-                d.disk_bytes,
-                Outcome.applied.value,
-                "",
-            )
-            if dv or dr or dd:
-                await enqueue(
-                    conn,
-                    subjects.event(silo, "usage", "changed"),
-                    UsageChanged(
-                        silo_id=d.silo_id,
-                        project_id=d.project_id,
-                        silo=_usage(totals, "silo"),
-                        project=_usage(totals, "project"),
-                    ),
-                    source=SOURCE,
-                )
-            result = Applied(Outcome.applied, "")
+            valid.append(i)
 
-    await enqueue(
-        conn,
-        subjects.event(silo, "provision", "outcome"),
-        ProvisionOutcome(
-            instance_id=d.instance_id, generation=d.generation, outcome=result.outcome, reason=result.reason
-        ),
-        source=SOURCE,
-        key=f"outcome:{d.instance_id}:{d.generation}",
+    held = await lock_charges(conn, [charges[i].delta for i in valid])
+    ledger = Ledger(
+        held,
+        {
+            r["id"]: r
+            for r in await conn.fetch(Q["silos_lock"], sorted({charges[i].delta.silo_id for i in valid}))
+        },
     )
-    return result
+    for i in valid:
+        results[i] = ledger.decide(charges[i].delta)
+
+    await conn.execute(
+        Q["charges_set"],
+        *columns(ledger.changed_charges(), ("instance_id", "generation", *AMOUNTS, "outcome", "reason")),
+    )
+    await conn.execute(Q["silos_set"], *columns(ledger.changed_silos(), ("id", *AMOUNTS)))
+    moved = await conn.fetch(Q["projects_add"], *columns(ledger.project_moves(), ("id", *AMOUNTS)))
+    await enqueue_many(conn, events(charges, results, moved, ledger), source=SOURCE)
+    tally = Counter("duplicate" if r.repeat else r.outcome.value for r in results if isinstance(r, Applied))
+    for name, n in tally.items():
+        telemetry.count(f"deltas.{name}", n)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
 
 
-async def check_owner(conn: asyncpg.Connection, silo: str, project: str, d: ProvisionDelta) -> None:
+def owner_error(
+    c: Charge, silos: dict[Any, asyncpg.Record], projects: dict[Any, asyncpg.Record]
+) -> Result | None:
     """The subject's silo and project are the delta's, and the project is the silo's: the names in a
     subject decide who may publish it (the broker's permissions), the ids decide what is charged, so the
-    two must agree. Raises UnknownSilo / UnknownProject while their creation has not arrived."""
-    silo_name = await conn.fetchval(Q["silo_name"], d.silo_id)
-    if silo_name is None:
-        raise UnknownSilo(str(d.silo_id))
-    if silo_name != silo:
-        raise Forged(f"subject names silo {silo}, but silo {d.silo_id} is {silo_name}")
-    p = await conn.fetchrow(Q["project_owner"], d.project_id)
+    two must agree. Unknown silos and projects are those whose creation has not arrived yet."""
+    d = c.delta
+    silo = silos.get(d.silo_id)
+    if silo is None:
+        return UnknownSilo(str(d.silo_id))
+    if silo["name"] != c.silo:
+        return Forged(f"subject names silo {c.silo}, but silo {d.silo_id} is {silo['name']}")
+    p = projects.get(d.project_id)
     if p is None:
-        raise UnknownProject(str(d.project_id))
+        return UnknownProject(str(d.project_id))
     if p["silo_id"] != d.silo_id:
-        raise Forged(f"project {d.project_id} belongs to silo {p['silo_name']}, not to {silo}")
-    if p["name"] is not None and p["name"] != project:
-        raise Forged(f"subject names project {project}, but project {d.project_id} is {p['name']}")
+        return Forged(f"project {d.project_id} belongs to silo {p['silo_name']}, not to {c.silo}")
+    if p["name"] is not None and p["name"] != c.project:
+        return Forged(f"subject names project {c.project}, but project {d.project_id} is {p['name']}")
+    return None
 
 
-def _usage(row: asyncpg.Record, prefix: str) -> Usage:
-    return Usage(
-        vcpus=row[f"{prefix}_vcpus"],
-        ram_bytes=row[f"{prefix}_ram_bytes"],
-        disk_bytes=row[f"{prefix}_disk_bytes"],
+async def lock_charges(
+    conn: asyncpg.Connection, deltas: list[ProvisionDelta]
+) -> dict[uuid.UUID, dict[str, Any]]:
+    """Each instance's charge row, created at zero for an instance seen for the first time (owned by the
+    project of its first delta), and locked, in key order."""
+    first: dict[uuid.UUID, ProvisionDelta] = {}
+    for d in deltas:
+        first.setdefault(d.instance_id, d)
+    await conn.execute(
+        Q["charges_ensure"],
+        list(first),
+        [d.project_id for d in first.values()],
+        [d.silo_id for d in first.values()],
     )
+    rows = await conn.fetch(Q["charges_lock"], sorted(first))
+    return {r["instance_id"]: dict(r) for r in rows}
 
 
-async def refusal(conn: asyncpg.Connection, silo_id: object, dv: int, dr: int, dd: int) -> str:
-    """Name the quota that refused the charge, with what is used and what was asked."""
-    s = await conn.fetchrow(Q["silo_get"], silo_id)
-    checks = [
-        ("vCPU", dv, s["vcpus"], s["quota_vcpus"], 1, ""),
-        ("RAM", dr, s["ram_bytes"], s["quota_ram_bytes"], GiB, " GiB"),
-        ("storage", dd, s["disk_bytes"], s["quota_disk_bytes"], GiB, " GiB"),
-    ]
-    for name, asked, used, quota, unit, suffix in checks:
+class Ledger:
+    """The fence and the silo totals as the batch's deltas, decided one after another, leave them."""
+
+    def __init__(self, charges: dict[uuid.UUID, dict[str, Any]], silos: dict[Any, asyncpg.Record]) -> None:
+        self.charges = charges
+        self.silos = {sid: dict(r) for sid, r in silos.items()}
+        self._charged: set[uuid.UUID] = set()
+        self._silos_moved: set[Any] = set()
+        self.projects: dict[tuple[Any, Any], list[int]] = {}
+        """(project, silo) -> how far this batch moved its totals."""
+
+    def decide(self, d: ProvisionDelta) -> Result:
+        held = self.charges[d.instance_id]
+        if (held["project_id"], held["silo_id"]) != (d.project_id, d.silo_id):
+            return Forged(
+                f"instance {d.instance_id} is charged to project {held['project_id']} of silo "
+                f"{held['silo_id']}, not to project {d.project_id} of silo {d.silo_id}"
+            )
+        if d.generation == held["generation"]:
+            return Applied(Outcome(held["outcome"]), held["reason"], repeat=True)
+        if d.generation < held["generation"]:
+            return Applied(Outcome.stale, f"generation {d.generation} is older than {held['generation']}")
+        diff = [getattr(d, a) - held[a] for a in AMOUNTS]
+        silo = self.silos[d.silo_id]
+        self._charged.add(d.instance_id)
+        if reason := refusal(silo, diff):
+            held.update(generation=d.generation, outcome=Outcome.refused.value, reason=reason)
+            return Applied(Outcome.refused, reason)
+        held.update(generation=d.generation, outcome=Outcome.applied.value, reason="")
+        held.update({a: getattr(d, a) for a in AMOUNTS})
+        if any(diff):
+            for a, x in zip(AMOUNTS, diff, strict=True):
+                silo[a] += x
+            self._silos_moved.add(d.silo_id)
+            moves = self.projects.setdefault((d.project_id, d.silo_id), [0, 0, 0])
+            for k, x in enumerate(diff):
+                moves[k] += x
+        return Applied(Outcome.applied, "")
+
+    def changed_charges(self) -> list[dict[str, Any]]:
+        return [{"instance_id": i, **self.charges[i]} for i in sorted(self._charged)]
+
+    def changed_silos(self) -> list[dict[str, Any]]:
+        return [self.silos[s] for s in sorted(self._silos_moved)]
+
+    def project_moves(self) -> list[dict[str, Any]]:
+        return [
+            {"id": p, **dict(zip(AMOUNTS, m, strict=True))}
+            for (p, _), m in sorted(self.projects.items())
+            if any(m)
+        ]
+
+
+def refusal(silo: dict[str, Any], diff: list[int]) -> str:
+    """Why the silo cannot take the change `diff` (vCPUs, RAM, disk), or "" if it can: only increases are
+    checked, reaching a quota exactly is allowed, and no silo total may pass MAX_TOTAL (so that no sum of
+    them overflows, and neither does a project's, which is at most its silo's)."""
+    units = (("vCPU", 1, ""), ("RAM", GiB, " GiB"), ("storage", GiB, " GiB"))
+    for (name, unit, suffix), a, asked in zip(units, AMOUNTS, diff, strict=True):
+        used, quota = silo[a], silo[f"quota_{a}"]
         if asked > 0 and quota is not None and used + asked > quota:
             return (
                 f"{name} quota exceeded: {used / unit:g}{suffix} of {quota / unit:g}{suffix} used, "
                 f"{asked / unit:g}{suffix} asked"
             )
-    fleet = await conn.fetchrow(Q["fleet_get"])
-    for name, asked, key in (("vCPU", dv, "vcpus"), ("RAM", dr, "ram_bytes"), ("storage", dd, "disk_bytes")):
-        if asked > 0 and fleet[key] + asked > MAX_TOTAL:
-            return f"{name} total of the fleet would pass its limit ({MAX_TOTAL})"
-    return "quota exceeded"
+    for (name, _, _), a, asked in zip(units, AMOUNTS, diff, strict=True):
+        if asked > 0 and silo[a] + asked > MAX_TOTAL:
+            return f"{name} total of silo {silo['name']} would pass its limit ({MAX_TOTAL})"
+    return ""
+
+
+def columns(rows: list[dict[str, Any]], names: tuple[str, ...]) -> list[list[Any]]:
+    """Rows as one array per column, for a statement over `unnest`."""
+    return [[r[n] for r in rows] for n in names]
+
+
+def events(
+    charges: list[Charge],
+    results: list[Result | None],
+    moved: list[asyncpg.Record],
+    ledger: Ledger,
+) -> list[tuple[str, Model, str | None]]:
+    """The usage of every project that moved (with its silo's), then every delta's outcome, in order."""
+    out: list[tuple[str, Model, str | None]] = []
+    for p in moved:
+        silo = ledger.silos[p["silo_id"]]
+        out.append(
+            (
+                subjects.event(silo["name"], "usage", "changed"),
+                UsageChanged(
+                    silo_id=p["silo_id"],
+                    project_id=p["id"],
+                    silo=Usage(**{a: silo[a] for a in AMOUNTS}),
+                    project=Usage(**{a: p[a] for a in AMOUNTS}),
+                ),
+                None,
+            )
+        )
+    for c, r in zip(charges, results, strict=True):
+        if isinstance(r, Applied):
+            d = c.delta
+            out.append(
+                (
+                    subjects.event(c.silo, "provision", "outcome"),
+                    ProvisionOutcome(
+                        instance_id=d.instance_id, generation=d.generation, outcome=r.outcome, reason=r.reason
+                    ),
+                    f"outcome:{d.instance_id}:{d.generation}",
+                )
+            )
+    return out

@@ -9,7 +9,16 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.accounting.ledger import SOURCE, Forged, Q, UnknownProject, UnknownSilo, apply_delta
+from services.accounting.ledger import (
+    SOURCE,
+    Applied,
+    Charge,
+    Forged,
+    Q,
+    UnknownProject,
+    UnknownSilo,
+    apply_batch,
+)
 from shared import bus, db, subjects, telemetry
 from shared.config import Settings
 from shared.messages import Envelope, ProjectCreated, ProvisionDelta, SiloCreated, UsageGet
@@ -22,8 +31,32 @@ UNKNOWN_PROJECT_DELIVERIES = 240
 then is dead-lettered: the project's creation event always comes first from instance-manager's outbox."""
 
 
+def refusal(c: Charge, r: Exception, msg: Msg) -> bus.Retry | bus.Reject:
+    """What becomes of a delta the ledger did not apply: wait for its silo's or project's creation, or
+    dead-letter it with the reason."""
+    if isinstance(r, UnknownSilo):
+        return bus.Retry(f"silo {c.silo} not known yet", delay=0.2)
+    if isinstance(r, UnknownProject):
+        if msg.metadata.num_delivered >= UNKNOWN_PROJECT_DELIVERIES:
+            return bus.Reject(f"forged: project {c.delta.project_id} of silo {c.silo} is not known")
+        return bus.Retry(f"project {c.silo}/{c.project} not known yet", delay=0.5)
+    assert isinstance(r, Forged)
+    telemetry.count("deltas.forged")
+    return bus.Reject(f"forged: {r.reason}")
+
+
+def instance_named(subject: str, d: ProvisionDelta) -> str | None:
+    """The subject's instance token is the delta's instance (it decides the partition)."""
+    token = subject.split(".")[-1]
+    return (
+        None
+        if token == str(d.instance_id)
+        else f"forged: subject names instance {token}, not {d.instance_id}"
+    )
+
+
 def _usage(r: asyncpg.Record) -> dict[str, int]:
-    return {"vcpus": r["vcpus"], "ram_bytes": r["ram_bytes"], "disk_bytes": r["disk_bytes"]}
+    return {"vcpus": int(r["vcpus"]), "ram_bytes": int(r["ram_bytes"]), "disk_bytes": int(r["disk_bytes"])}
 
 
 def _quota(r: asyncpg.Record) -> dict[str, int | None]:
@@ -71,20 +104,16 @@ async def main(settings: Settings) -> None:
     nc, js = await connect_bus(settings, SOURCE)
     relay = db.OutboxRelay(pool, js)
 
-    async def on_delta(env: Envelope, d: ProvisionDelta, msg: Msg) -> None:
-        _, _, _, silo, project = msg.subject.split(".")
-        try:
-            async with pool.acquire() as conn, conn.transaction():
-                await apply_delta(conn, silo, project, d)
-        except UnknownSilo:
-            raise bus.Retry(f"silo {silo} not known yet", delay=0.2) from None
-        except UnknownProject:
-            if msg.metadata.num_delivered >= UNKNOWN_PROJECT_DELIVERIES:
-                raise bus.Reject(f"forged: project {d.project_id} of silo {silo} is not known") from None
-            raise bus.Retry(f"project {silo}/{project} not known yet", delay=0.5) from None
-        except Forged as e:
-            telemetry.count("deltas.forged")
-            raise bus.Reject(f"forged: {e.reason}") from None
+    async def on_deltas(batch: list[bus.Delivery]) -> None:
+        charges = []
+        for d in batch:
+            _, _, _, _, silo, project, _ = d.msg.subject.split(".")
+            charges.append(Charge(silo, project, d.body))
+        async with pool.acquire() as conn, conn.transaction():
+            results = await apply_batch(conn, charges)
+        for d, c, r in zip(batch, charges, results, strict=True):
+            if not isinstance(r, Applied):
+                d.refused = refusal(c, r, d.msg)
         relay.kick()
 
     async def on_silo(env: Envelope, e: SiloCreated, msg: Msg) -> None:
@@ -108,15 +137,20 @@ async def main(settings: Settings) -> None:
     log.info("accounting ready")
     await run_forever(
         relay.run(),
-        bus.Consumer(
-            js,
-            **common,
-            stream=subjects.PROVISION_STREAM,
-            durable="accounting-deltas",
-            filter_subject="rp.acct.delta.>",
-            handler=on_delta,
-            expect=ProvisionDelta,
-        ).run(),
+        *(
+            bus.BatchConsumer(
+                js,
+                **common,
+                stream=subjects.PROVISION_STREAM,
+                durable=subjects.delta_durable(p),
+                filter_subject=subjects.delta_partition(p),
+                batch_handler=on_deltas,
+                expect=ProvisionDelta,
+                verify=instance_named,
+                dead_letters=subjects.DELTA_DEAD_LETTERS,
+            ).run()
+            for p in range(subjects.DELTA_PARTITIONS)
+        ),
         bus.Consumer(
             js,
             **common,

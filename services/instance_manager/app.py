@@ -106,7 +106,7 @@ class App:
         await conn.execute(Q["charge_pending"], v.id, generation)
         await enqueue(
             conn,
-            subjects.provision_delta(v.silo, v.project),
+            subjects.provision_delta(v.silo, v.project, v.id),
             delta,
             source=SOURCE,
             key=f"delta:{v.id}:{generation}",
@@ -133,7 +133,7 @@ class App:
                 try:
                     await bus.publish(
                         self.js,
-                        subjects.provision_delta(silo, project),
+                        subjects.provision_delta(silo, project, delta.instance_id),
                         delta,
                         source=SOURCE,
                         key=f"delta:{delta.instance_id}:{delta.generation}",
