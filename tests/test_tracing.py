@@ -60,5 +60,5 @@ async def test_one_trace_spans_a_start_from_the_cli_through_every_service(
     in_trace = [s for s in spans(path) if s["trace_id"] == trace_id]
     names = {s["name"] for s in in_trace}
     assert any(n.startswith("saga instance-start charge") for n in names)
-    assert any(n.startswith("process rp.acct.delta.") for n in names)
+    assert any(n.startswith("process rp.acct.part.") for n in names)
     assert any(n.startswith("process rp.sled.") and ".cmd.vmm.ensure" in n for n in names)
