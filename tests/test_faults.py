@@ -335,9 +335,7 @@ async def test_held_acks_make_jetstream_redeliver_deltas(chaos: Rack) -> None:
     fenced = await _fenced(client)
     duplicates = await counter(client, "accounting", "deltas.duplicate")
     silo, proj = await new_project(client)
-    await client.faults(
-        "accounting", ServiceFaults(hold_acks=HoldAcksFault(count=4), only=["rp.acct."])
-    )
+    await client.faults("accounting", ServiceFaults(hold_acks=HoldAcksFault(count=4), only=["rp.acct."]))
     expected = await churn(client, silo, proj, 2, keep=1)
     assert await injected(client, "accounting", "hold_ack") == held + 4
     # Each held delta came again and was fenced: as a duplicate, or as stale once a newer one was applied.
