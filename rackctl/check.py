@@ -309,11 +309,20 @@ async def _consumers_of(js: JetStreamContext, stream: str) -> list[Any]:
             return infos
 
 
+async def vmms_pruned_before(conn: asyncpg.Connection) -> datetime | None:
+    """How far instance-manager has pruned ended VMM records: one that ended before this may be gone."""
+    if await conn.fetchval("SELECT to_regclass('instance_manager.pruned_before')") is None:
+        return None
+    return await conn.fetchval("SELECT at FROM instance_manager.pruned_before WHERE what = 'vmms'")
+
+
 async def no_zombie_vmms(conn: asyncpg.Connection, js: JetStreamContext) -> list[str]:
     """At rest: every VMM a sled runs, by its latest inventory, has a live record on that sled. A record
     that ended after the inventory was made does not count against it (the inventory predates the end);
-    expunged sleds are out of the rack and not checked."""
+    expunged sleds are out of the rack and not checked. A VMM without a record in an inventory made before
+    the pruning horizon is not judged: its record may have ended after the inventory, and been pruned."""
     inventories, out = await _latest_inventories(js)
+    horizon = await vmms_pruned_before(conn)
     expunged = {
         r["id"] for r in await conn.fetch("SELECT id FROM instance_manager.sleds WHERE state = 'expunged'")
     }
@@ -329,6 +338,8 @@ async def no_zombie_vmms(conn: asyncpg.Connection, js: JetStreamContext) -> list
         }
         for v in inv.vmms:
             r = records.get(v.vmm_id)
+            if r is None and horizon is not None and sent_at < horizon:
+                continue
             if r is None:
                 why = "no record"
             elif r["sled_id"] != inv.sled_id:
@@ -400,7 +411,8 @@ async def pool_vms_handed_out_once(js: JetStreamContext) -> list[str]:
 async def no_claimed_vmm_destroyed(conn: asyncpg.Connection, js: JetStreamContext) -> list[str]:
     """No VMM was destroyed while an instance claimed it: every destroy order in SLED_CMD came after the
     end of the VMM's record (an instance holds a VMM exactly while its record is live), or is about a VMM
-    the control plane has no record of (a zombie nobody ever claimed)."""
+    the control plane has no record of (a zombie nobody ever claimed, or a record pruned: pruning keeps
+    every record that ended after the horizon, so an order sent since is judged in full)."""
     orders: list[tuple[Any, VmmDestroy]] = []
     sub = await js.subscribe(subjects.sled_command("*", "vmm.destroy"), ordered_consumer=True)
     try:

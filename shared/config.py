@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,26 @@ def _from_file(name: str) -> str | None:
     return Path(path).read_text().strip() if path else None
 
 
+class ConfigError(ValueError):
+    """A setting whose value it cannot have; the message names the variable, and the process stops."""
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
+
+
+def env_duration(name: str, default: float) -> float:
+    """Seconds above zero, given as a number of seconds or as a duration such as 90s, 30m, 12h, 7d, 2w."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    m = _DURATION.fullmatch(raw.lower())
+    seconds = float(m[1]) * _UNITS[m[2] or "s"] if m else 0.0
+    if seconds <= 0:
+        raise ConfigError(f"{name}={raw!r}: expected seconds or a duration such as 90s, 30m, 12h or 7d")
+    return seconds
+
+
 def env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     return float(raw) if raw else default
@@ -99,6 +120,17 @@ def zombie_grace() -> float:
 def sled_unknown_after() -> float:
     """Seconds of silence after which a sled's instances are shown with health `unknown` (never failed)."""
     return env_float("RACKPLANE_SLED_UNKNOWN_AFTER", 3 * env_float("RACKPLANE_INVENTORY_INTERVAL", 5.0))
+
+
+def retention() -> float:
+    """How long instance-manager keeps finished records (finished sagas and their events, charge outcomes,
+    ended VMM records) before its pruner deletes them; some are kept longer, see prune.py."""
+    return env_duration("RACKPLANE_RETENTION", 7 * 86400.0)
+
+
+def prune_interval() -> float:
+    """Seconds between two prune passes."""
+    return env_duration("RACKPLANE_PRUNE_INTERVAL", 60.0)
 
 
 def transition_timeout() -> float:

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from shared import telemetry
-from shared.config import Settings, setup_logging
+from shared.config import ConfigError, Settings, setup_logging
 
 log = logging.getLogger(__name__)
 
 
 def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
-    """Run `main` until it returns or the process is asked to stop."""
+    """Run `main` until it returns or the process is asked to stop. A bad setting stops it with one line
+    that names the variable."""
     settings = Settings.from_env()
     setup_logging(service, settings.log_level)
     telemetry.setup_tracing(service)
@@ -35,6 +36,8 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
 
     try:
         asyncio.run(supervise())
+    except ConfigError as e:
+        raise SystemExit(f"{service}: {e}") from None
     finally:
         telemetry.shutdown_tracing()
 

@@ -1,4 +1,5 @@
-"""The instance-manager process: commands, sled reports, charge outcomes, sagas and the outbox relay."""
+"""The instance-manager process: commands, sled reports, charge outcomes, sagas, the outbox relay and
+the pruner."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from services.instance_manager.commands import Commands
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.migrate_saga import MIGRATE
 from services.instance_manager.pools import Keeper, Pools
+from services.instance_manager.prune import Pruner
 from services.instance_manager.start_saga import START
 from shared import bus, subjects
-from shared.config import Settings
+from shared.config import Settings, prune_interval, retention
 from shared.messages import Envelope, ProvisionOutcome, SledInventory, VmmReport
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
@@ -81,7 +83,9 @@ def consumers(app: App) -> list[bus.Consumer]:
 
 
 async def main(settings: Settings) -> None:
+    keep_for, prune_every = retention(), prune_interval()  # a bad setting stops the process before it starts
     app = await build(settings)
+    pruner = Pruner(app.pool, settings.database_url, keep_for, prune_every)
     keeper = Keeper(app, settings.database_url)
     pools = Pools(app, keeper)
     await Commands(app, pools).serve()
@@ -91,5 +95,9 @@ async def main(settings: Settings) -> None:
     log.info("instance-manager ready")
     app.listening_since = time.monotonic()  # the consumers start now
     await run_forever(
-        app.relay.run(), app.sagas.resume_forever(), keeper.run(), *(c.run() for c in consumers(app))
+        app.relay.run(),
+        app.sagas.resume_forever(),
+        keeper.run(),
+        pruner.run(),
+        *(c.run() for c in consumers(app)),
     )
