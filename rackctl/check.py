@@ -19,6 +19,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from rackctl import audit
 from shared import subjects
 from shared.config import transition_timeout
 from shared.messages import (
@@ -32,41 +33,8 @@ from shared.messages import (
 
 
 async def totals_match_ledger(conn: asyncpg.Connection) -> list[str]:
-    """Project, silo and fleet totals equal the sums of the per-instance charges, and are never negative."""
-    out: list[str] = []
-    for level, table, key in (("project", "projects", "project_id"), ("silo", "silos", "silo_id")):
-        rows = await conn.fetch(
-            f"""
-            SELECT t.id, t.vcpus, t.ram_bytes, t.disk_bytes,
-                   coalesce(sum(c.vcpus), 0) AS c_vcpus, coalesce(sum(c.ram_bytes), 0) AS c_ram,
-                   coalesce(sum(c.disk_bytes), 0) AS c_disk
-            FROM accounting.{table} t LEFT JOIN accounting.instance_charges c ON c.{key} = t.id
-            GROUP BY t.id
-            """
-        )
-        for r in rows:
-            if (r["vcpus"], r["ram_bytes"], r["disk_bytes"]) != (r["c_vcpus"], r["c_ram"], r["c_disk"]):
-                out.append(
-                    f"{level} {r['id']}: totals ({r['vcpus']}, {r['ram_bytes']}, {r['disk_bytes']}) != "
-                    f"charges ({r['c_vcpus']}, {r['c_ram']}, {r['c_disk']})"
-                )
-    fleet = await conn.fetchrow(
-        """
-        SELECT f.vcpus, f.ram_bytes, f.disk_bytes,
-               (SELECT coalesce(sum(vcpus), 0) FROM accounting.instance_charges) AS c_vcpus,
-               (SELECT coalesce(sum(ram_bytes), 0) FROM accounting.instance_charges) AS c_ram,
-               (SELECT coalesce(sum(disk_bytes), 0) FROM accounting.instance_charges) AS c_disk
-        FROM (SELECT coalesce(sum(vcpus), 0) AS vcpus, coalesce(sum(ram_bytes), 0) AS ram_bytes,
-                     coalesce(sum(disk_bytes), 0) AS disk_bytes FROM accounting.silos) f
-        """
-    )
-    if (fleet["vcpus"], fleet["ram_bytes"], fleet["disk_bytes"]) != (
-        fleet["c_vcpus"],
-        fleet["c_ram"],
-        fleet["c_disk"],
-    ):
-        out.append(f"fleet totals {tuple(fleet)[:3]} != charges {tuple(fleet)[3:]}")
-    return out
+    """Project, silo and fleet totals equal the sums of the per-instance charges (rackctl/audit.py)."""
+    return [d.line() for d in await audit.total_drifts(conn)]
 
 
 async def quotas_respected(conn: asyncpg.Connection) -> list[str]:
@@ -81,31 +49,20 @@ async def quotas_respected(conn: asyncpg.Connection) -> list[str]:
 
 
 async def charges_follow_instances(conn: asyncpg.Connection) -> list[str]:
-    """At rest: an instance holds a vCPU/RAM charge iff it has a live VMM, and its disk iff it exists."""
+    """At rest: an instance holds a vCPU/RAM charge iff it has a live VMM, and its disk iff it exists (the
+    charge rule is rackctl/audit.py's); and it is in a charged state iff it names an active VMM."""
+    out = [d.line() for d in await audit.charge_drifts(conn)]
     rows = await conn.fetch(
         """
-        SELECT i.id, i.name, i.state, i.vcpus, i.ram_bytes, i.disk_bytes, i.active_vmm_id,
-               c.vcpus AS c_vcpus, c.ram_bytes AS c_ram, c.disk_bytes AS c_disk
-        FROM instance_manager.instances i
-        LEFT JOIN accounting.instance_charges c ON c.instance_id = i.id
-        WHERE i.state <> 'creating'
-        """
+        SELECT id, name, state, active_vmm_id FROM instance_manager.instances
+        WHERE state <> 'creating' AND (state = ANY($1::text[])) <> (active_vmm_id IS NOT NULL)
+        ORDER BY id
+        """,
+        sorted(str(s) for s in CHARGED_STATES),
     )
-    out = []
-    for r in rows:
-        live = r["state"] in CHARGED_STATES
-        want = (
-            r["vcpus"] if live else 0,
-            r["ram_bytes"] if live else 0,
-            0 if r["state"] == "destroyed" else r["disk_bytes"],
-        )
-        have = (r["c_vcpus"] or 0, r["c_ram"] or 0, r["c_disk"] or 0)
-        if want != have:
-            out.append(f"instance {r['name']} ({r['id']}) is {r['state']}: charged {have}, should be {want}")
-        if live != (r["active_vmm_id"] is not None):
-            out.append(
-                f"instance {r['name']} ({r['id']}) is {r['state']} with active VMM {r['active_vmm_id']}"
-            )
+    out += [
+        f"instance {r['name']} ({r['id']}) is {r['state']} with active VMM {r['active_vmm_id']}" for r in rows
+    ]
     return out
 
 
@@ -176,7 +133,8 @@ async def no_unfinished_sagas(conn: asyncpg.Connection) -> list[str]:
 
 
 async def totals_never_negative(conn: asyncpg.Connection) -> list[str]:
-    """No total (project, silo; the fleet's is their sum) and no instance's charge is below zero."""
+    """No total (project, silo) and no instance's charge is below zero (the fleet's is the sum of the
+    silos')."""
     rows = await conn.fetch(
         """
         SELECT 'project ' || id AS what, vcpus, ram_bytes, disk_bytes FROM accounting.projects

@@ -5,7 +5,8 @@ rackctl/commands/, one per command group; the parser is built here from that tab
 group (pool, sim, chaos, check...) is only a new module of functions, not parser code.
 
 Contract for scripts: exit 0 on success, 1 when the control plane refuses, fails or times out (one line
-on stderr: `rackctl: error: ...`), 2 on a usage error (an irreversible command without `--yes` included);
+on stderr: `rackctl: error: ...`), 2 on a usage error (an irreversible command without `--yes`, and a
+name an auditing command cannot find, included);
 `--json` prints the reply data and nothing else.
 Set RACKCTL_LOG=DEBUG to see library logs on stderr (silent by default so errors stay one line).
 """
@@ -23,7 +24,16 @@ import nats.errors
 
 # importing rackctl.commands (its __init__) registers every command, in the order of --help
 from rackctl.commands.args import seconds
-from rackctl.commands.base import COMMANDS, GROUPS, Command, Ctx, Failure, Unconfirmed, UsageError
+from rackctl.commands.base import (
+    COMMANDS,
+    GROUPS,
+    Command,
+    Ctx,
+    Failure,
+    Unconfirmed,
+    UnknownName,
+    UsageError,
+)
 from shared import bus, telemetry
 from shared.config import DEFAULT_NATS_URL
 
@@ -62,16 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _global_options(common, defaults=False)
     subs = {(): parser.add_subparsers(title="commands", metavar="COMMAND", required=True)}
+    leaves: dict[tuple[str, ...], argparse.ArgumentParser] = {}
     for words, cmd in COMMANDS.items():
         for i in range(1, len(words)):
-            if words[:i] not in subs:
-                about = GROUPS.get(" ".join(words[:i]))
-                group = subs[words[: i - 1]].add_parser(words[i - 1], help=about, description=about)
-                subs[words[:i]] = group.add_subparsers(metavar="COMMAND", required=True)
+            if words[:i] in subs:
+                continue
+            if words[:i] in leaves:  # a command with commands of its own (`usage`, `usage audit`)
+                subs[words[:i]] = leaves[words[:i]].add_subparsers(metavar="COMMAND", required=False)
+                continue
+            about = GROUPS.get(" ".join(words[:i]))
+            group = subs[words[: i - 1]].add_parser(words[i - 1], help=about, description=about)
+            subs[words[:i]] = group.add_subparsers(metavar="COMMAND", required=True)
         leaf = subs[words[:-1]].add_parser(words[-1], help=cmd.help, description=cmd.help, parents=[common])
         for add in cmd.options:
             add(leaf)
         leaf.set_defaults(command=cmd, parser=leaf)
+        leaves[words] = leaf
     return parser
 
 
@@ -97,7 +113,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         asyncio.run(run(args.command, args))
     except UsageError as e:
         args.parser.error(str(e))
-    except Unconfirmed as e:
+    except (Unconfirmed, UnknownName) as e:
         _report(str(e))
         code = 2
     except BrokenPipeError:  # stdout closed early (`rackctl ... | head`): not an error worth a line

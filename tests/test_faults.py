@@ -510,14 +510,19 @@ async def test_rackctl_check_reports_a_corrupted_total(rack: Rack) -> None:
     silo, proj = await new_project(client)
     await client.instance_create(silo, proj, "vm", vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
     await usage_is(client, {"vcpus": 0, "ram_bytes": 0, "disk_bytes": GiB}, silo, proj)
-    corrupt = "UPDATE accounting.silos SET vcpus = vcpus + $2 WHERE name = $1 RETURNING id"
+    corrupt = "UPDATE accounting.silos SET vcpus = vcpus + $2 WHERE name = $1"
     admin = await asyncpg.connect(stack.admin_database_url)  # the checker's role is read-only
-    silo_id = await admin.fetchval(corrupt, silo, 1)
+    await admin.execute(corrupt, silo, 1)
     try:
         r = await rackctl(stack, "check", "--database-url", stack.database_url, "--no-at-rest")
         assert r.code == 1, r
-        assert r.out.splitlines() == [f"silo {silo_id}: totals (1, 0, {GiB}) != charges (0, 0, {GiB})"]
-        assert r.err.splitlines() == ["rackctl: error: 1 invariant violation"]
+        silo_line, fleet_line = r.out.splitlines()  # the fleet's totals are the sum of the silos'
+        assert silo_line == (
+            f"silo {silo}: totals (vcpus=1 ram=0 B disk=1 GiB) != "
+            "sum of its charges (vcpus=0 ram=0 B disk=1 GiB)"
+        )
+        assert fleet_line.startswith("fleet: sum of silo totals (vcpus=")
+        assert r.err.splitlines() == ["rackctl: error: 2 invariant violations"]
     finally:
         await admin.execute(corrupt, silo, -1)
         await admin.close()

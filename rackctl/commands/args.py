@@ -56,6 +56,13 @@ def project_path(text: str) -> tuple[str, str]:
     return silo, project
 
 
+def scope_path(text: str) -> tuple[str, str | None]:
+    """`SILO` or `SILO/PROJECT`: (silo, project or None)."""
+    if "/" in text:
+        return project_path(text)
+    return silo_path(text), None
+
+
 def instance_path(text: str) -> Ref:
     return Ref(*_path(text, ("SILO", "PROJECT", "INSTANCE")))
 

@@ -37,6 +37,11 @@ class Unconfirmed(Exception):
     """An irreversible command without `--yes`: refused before touching anything (exit 2, one line)."""
 
 
+class UnknownName(Exception):
+    """A silo or project on the command line that does not exist, for a command that reads the database
+    rather than asking a service (exit 2, one line)."""
+
+
 # --- the command table -----------------------------------------------------------------------------------
 
 

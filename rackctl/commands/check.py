@@ -7,9 +7,6 @@ in flight is looked at again before it counts.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
-import time
 from typing import Any
 
 import asyncpg
@@ -17,19 +14,13 @@ from nats.js import JetStreamContext
 
 from rackctl import check as checker
 from rackctl.commands.args import json_flag
-from rackctl.commands.base import CONNECT_TIMEOUT, Ctx, Failure, command
-from rackctl.output import Progress
-from shared.config import check_database_url
+from rackctl.commands.base import Ctx, Failure, command
+from rackctl.commands.database import connect, database_url_option
+from rackctl.settle import settled
 
 
 def _check_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--database-url",
-        metavar="URL",
-        default=None,
-        help="the database (default: $DATABASE_URL, else the read-only login `make run` wrote under "
-        "$RACKPLANE_HOME, default .rackplane)",
-    )
+    database_url_option(p)
     p.add_argument(
         "--at-rest",
         action=argparse.BooleanOptionalAction,
@@ -56,13 +47,7 @@ def _check_options(p: argparse.ArgumentParser) -> None:
 )
 async def check_invariants(ctx: Ctx) -> None:
     a = ctx.args
-    within = min(CONNECT_TIMEOUT, a.timeout)
-    try:
-        conn = await asyncio.wait_for(asyncpg.connect(a.database_url or check_database_url()), within)
-    except TimeoutError:
-        raise ConnectionError(f"cannot reach the database within {within:g}s") from None
-    except (OSError, asyncpg.PostgresError) as e:
-        raise ConnectionError(f"cannot reach the database: {type(e).__name__}: {e}") from None
+    conn = await connect(a)
     js: JetStreamContext | None = None
     nc = None
     violations: list[str] = []
@@ -94,15 +79,9 @@ async def _settled(conn: asyncpg.Connection, at_rest: bool, js: Any, nc: Any, se
     """The checker's findings once they hold still: an at-rest check fails while work is in flight (a
     delete's saga, an event on its way), so what fails is looked at again until it passes or `settle`
     seconds have gone by; a violation that lasts that long is reported. Without --at-rest, one look."""
-    deadline = time.monotonic() + (settle if at_rest else 0)
-    progress = Progress("check", out=sys.stderr)
-    try:
-        while True:
-            found = await checker.check(conn, at_rest=at_rest, js=js, nc=nc)
-            left = deadline - time.monotonic()
-            if not found or left <= 0:
-                return found
-            progress.update(f"{len(found)} not passing yet, looking again for {left:.0f}s more")
-            await asyncio.sleep(min(1.0, left))
-    finally:
-        progress.clear()
+    return await settled(
+        lambda: checker.check(conn, at_rest=at_rest, js=js, nc=nc),
+        settle if at_rest else 0,
+        label="check",
+        status=lambda found, left: f"{len(found)} not passing yet, looking again for {left:.0f}s more",
+    )
