@@ -483,6 +483,7 @@ class BatchConsumer(Consumer):
             await self._apply(batch[half:])
             return
         crash_point(f"after-commit:{self.durable}")
+        telemetry.count(f"{self.durable}.batches")
         for d in batch:
             if isinstance(d.refused, Reject):
                 await self._dead_letter(d.msg, d.refused.reason)

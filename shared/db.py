@@ -138,7 +138,8 @@ async def enqueue(
 async def enqueue_many(
     conn: asyncpg.Connection, messages: list[tuple[str, Model, str | None]], *, source: str
 ) -> None:
-    """`enqueue` for many (subject, body, key) at once, in their order, in one statement."""
+    """`enqueue` for many (subject, body, key) at once, in their order, in one statement. They share the
+    caller's trace context, so their headers are made once (the relay adds each one's message id)."""
     if not messages:
         return
     envs = [
@@ -149,7 +150,7 @@ async def enqueue_many(
         [e.id for _, e in envs],
         [subject for subject, _ in envs],
         [encode(e) for _, e in envs],
-        [headers_for(e) for _, e in envs],
+        telemetry.inject({}),
     )
 
 
@@ -161,7 +162,7 @@ class OutboxRelay:
     idempotent beyond it).
     """
 
-    def __init__(self, pool: asyncpg.Pool, js: JetStreamContext, *, batch: int = 256) -> None:
+    def __init__(self, pool: asyncpg.Pool, js: JetStreamContext, *, batch: int = 1000) -> None:
         self.pool = pool
         self.js = js
         self.batch = batch

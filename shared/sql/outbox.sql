@@ -2,9 +2,11 @@
 INSERT INTO outbox (msg_id, subject, payload, headers) VALUES ($1, $2, $3, $4);
 
 -- name: enqueue_many
--- WITH ORDINALITY keeps the given order in `seq`, which is the order the relay publishes in.
+-- WITH ORDINALITY keeps the given order in `seq`, which is the order the relay publishes in. $4: the
+-- headers they share (the trace context; the relay adds each message's id from msg_id).
 INSERT INTO outbox (msg_id, subject, payload, headers)
-SELECT m, s, p, h FROM unnest($1::uuid[], $2::text[], $3::bytea[], $4::jsonb[]) WITH ORDINALITY AS u(m, s, p, h, n)
+SELECT m, s, p, $4::jsonb
+FROM unnest($1::uuid[], $2::text[], $3::bytea[]) WITH ORDINALITY AS u(m, s, p, n)
 ORDER BY n;
 
 -- name: claim

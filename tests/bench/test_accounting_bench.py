@@ -240,6 +240,9 @@ async def test_accounting_drains_deltas_at_the_speed_of_the_broker() -> None:
                 b = await drained(js)
                 await eventually(lambda: totals(client, want), timeout=30)
                 results[replicas] = n / b
+                counters = (await client.stats("accounting"))["counters"]
+                batches = sum(v for k, v in counters.items() if k.endswith(".batches"))
+                print(f"    {batches} batches, {n / max(batches, 1):.0f} deltas a batch (replica answering)")
                 print(f"(b) accounting, {replicas} replica(s): {n / b:8.0f} msg/s (totals exact)")
 
             c = await naive(js, admin, min(NAIVE, n))
