@@ -4,8 +4,7 @@ Two rules, each held here once (`rackctl usage audit` and `rackctl check` both u
 - every total is the sum of the per-instance charges under it: a project's and a silo's total rows, and
   the fleet's, which is the sum of the silo rows, against the sum of all charges;
 - at rest, each instance is charged its vCPUs and RAM while it has a live VMM (a charged state), and its
-  disk while it exists (until destroyed); a charge for an instance instance-manager has no record of
-  should be nothing. A start whose charge is not applied yet looks drifted for a moment, so callers look
+  disk while it exists (until destroyed). A start whose charge is not applied yet looks drifted for a moment, so callers look
   again before they report an instance drift (see rackctl/settle.py).
 
 It reads accounting's and instance-manager's tables (read-only) and never writes: a drift is for an
@@ -45,10 +44,6 @@ class Resources:
         return f"vcpus={self.vcpus} ram={exact_size(self.ram_bytes)} disk={exact_size(self.disk_bytes)}"
 
 
-NOTHING = Resources(0, 0, 0)
-UNRECORDED = "unrecorded"
-
-
 @dataclass(frozen=True)
 class Drift:
     """One place where accounting holds something other than what it should: a total that is not the sum
@@ -64,17 +59,12 @@ class Drift:
     expected: Resources
     """What it should be: the sum of the charges under it, or what the instance's state calls for."""
     state: str | None = None
-    """Instance drifts only: its state (UNRECORDED when instance-manager has no record of it)."""
+    """Instance drifts only: its state."""
     silo: str | None = None
     project: str | None = None
     """Instance drifts only: where the instance is."""
 
     def line(self) -> str:
-        if self.level == "instance" and self.state == UNRECORDED:
-            return (
-                f"instance {self.id} in {self.silo}/{self.project} has no record in instance-manager: "
-                f"charged {self.held}, should be {self.expected}"
-            )
         if self.level == "instance":
             where = f" in {self.silo}/{self.project}" if self.silo and self.project else ""
             return (
@@ -214,21 +204,6 @@ _INSTANCES = """
 """
 """Instances being created are left out: their create saga charges the disk as it goes."""
 
-_UNRECORDED = """
-    SELECT c.instance_id AS id, c.vcpus AS c_vcpus, c.ram_bytes AS c_ram, c.disk_bytes AS c_disk,
-           a.name AS silo, p.name AS project
-    FROM accounting.instance_charges c
-    JOIN accounting.silos a ON a.id = c.silo_id
-    JOIN accounting.projects p ON p.id = c.project_id
-    WHERE NOT EXISTS (SELECT 1 FROM instance_manager.instances i WHERE i.id = c.instance_id)
-      AND (c.vcpus <> 0 OR c.ram_bytes <> 0 OR c.disk_bytes <> 0)
-      AND ($1::uuid IS NULL OR c.silo_id = $1) AND ($2::uuid IS NULL OR c.project_id = $2)
-    ORDER BY c.instance_id
-"""
-"""Charges for instances instance-manager has no record of (it keeps every instance, destroyed ones
-included, so such a charge should be nothing)."""
-
-
 def charge_due(state: str, shape: Resources) -> Resources:
     """What an instance in `state` is charged: vCPUs and RAM while it has a live VMM, disk until it is
     destroyed."""
@@ -252,8 +227,4 @@ async def charge_drifts(conn: asyncpg.Connection, scope: Scope = FLEET) -> list[
                     "instance", str(r["id"]), r["name"], held, expected, r["state"], r["silo"], r["project"]
                 )
             )
-    for r in await conn.fetch(_UNRECORDED, scope.silo_id, scope.project_id):
-        held = Resources(r["c_vcpus"], r["c_ram"], r["c_disk"])
-        name = str(r["id"])
-        out.append(Drift("instance", name, name, held, NOTHING, UNRECORDED, r["silo"], r["project"]))
     return out
