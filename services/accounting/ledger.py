@@ -3,7 +3,8 @@ transaction.
 
 Invariant: for every project, silo and the fleet, each total equals the sum of the charges held in
 instance_charges for the instances under it; a total never goes below zero; a silo's vCPU, RAM and disk
-totals never exceed its quotas by an increase.
+totals never exceed its quotas by an increase. Every change of a silo's or project's totals appends
+them, as they are after it, to usage_history in the same transaction.
 
 How it holds, whatever the order and number of deliveries:
 - a delta states an instance's whole charge at a generation; it is applied only if that generation is
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import asyncpg
 
+from services.accounting.history import append_history
 from shared import subjects, telemetry
 from shared.db import enqueue, queries
 from shared.messages import MAX_TOTAL, Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
@@ -102,6 +104,13 @@ async def apply_delta(conn: asyncpg.Connection, silo: str, project: str, d: Prov
                 "",
             )
             if dv or dr or dd:
+                await append_history(
+                    conn,
+                    [
+                        ("silo", d.silo_id, d.silo_id, *_totals(totals, "silo")),
+                        ("project", d.project_id, d.silo_id, *_totals(totals, "project")),
+                    ],
+                )
                 await enqueue(
                     conn,
                     subjects.event(silo, "usage", "changed"),
@@ -143,6 +152,10 @@ async def check_owner(conn: asyncpg.Connection, silo: str, project: str, d: Prov
         raise Forged(f"project {d.project_id} belongs to silo {p['silo_name']}, not to {silo}")
     if p["name"] is not None and p["name"] != project:
         raise Forged(f"subject names project {project}, but project {d.project_id} is {p['name']}")
+
+
+def _totals(row: asyncpg.Record, prefix: str) -> tuple[int, int, int]:
+    return row[f"{prefix}_vcpus"], row[f"{prefix}_ram_bytes"], row[f"{prefix}_disk_bytes"]
 
 
 def _usage(row: asyncpg.Record, prefix: str) -> Usage:
