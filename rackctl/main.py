@@ -62,16 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _global_options(common, defaults=False)
     subs = {(): parser.add_subparsers(title="commands", metavar="COMMAND", required=True)}
+    leaves: dict[tuple[str, ...], argparse.ArgumentParser] = {}
     for words, cmd in COMMANDS.items():
         for i in range(1, len(words)):
-            if words[:i] not in subs:
-                about = GROUPS.get(" ".join(words[:i]))
-                group = subs[words[: i - 1]].add_parser(words[i - 1], help=about, description=about)
-                subs[words[:i]] = group.add_subparsers(metavar="COMMAND", required=True)
+            if words[:i] in subs:
+                continue
+            if words[:i] in leaves:  # a command with commands of its own (`usage`, `usage history`)
+                subs[words[:i]] = leaves[words[:i]].add_subparsers(metavar="COMMAND", required=False)
+                continue
+            about = GROUPS.get(" ".join(words[:i]))
+            group = subs[words[: i - 1]].add_parser(words[i - 1], help=about, description=about)
+            subs[words[:i]] = group.add_subparsers(metavar="COMMAND", required=True)
         leaf = subs[words[:-1]].add_parser(words[-1], help=cmd.help, description=cmd.help, parents=[common])
         for add in cmd.options:
             add(leaf)
         leaf.set_defaults(command=cmd, parser=leaf)
+        leaves[words] = leaf
     return parser
 
 
