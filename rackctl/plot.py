@@ -31,6 +31,7 @@ def usage_figure(history: dict[str, Any]) -> Figure:
     matplotlib.use("Agg")
     import matplotlib.dates as mdates
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     points = history["points"]
     edges = [datetime.fromisoformat(history["since"]), *(datetime.fromisoformat(p["at"]) for p in points)]
@@ -50,6 +51,7 @@ def usage_figure(history: dict[str, Any]) -> Figure:
             top = max(top, quota[key] / unit)
         ax.set_ylim(0, top * 1.15 if top > 0 else 1)
         ax.set_ylabel(label)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper left", fontsize="small")
     axes[-1].set_xlim(edges[0], edges[-1])
