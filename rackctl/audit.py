@@ -4,8 +4,8 @@ Two rules, each held here once (`rackctl usage audit` and `rackctl check` both u
 - every total is the sum of the per-instance charges under it: a project's and a silo's total rows, and
   the fleet's, which is the sum of the silo rows, against the sum of all charges;
 - at rest, each instance is charged its vCPUs and RAM while it has a live VMM (a charged state), and its
-  disk while it exists (until destroyed). A start whose charge is not applied yet looks drifted for a moment, so callers look
-  again before they report an instance drift (see rackctl/settle.py).
+  disk while it exists (until destroyed). A start whose charge is not applied yet looks drifted for a
+  moment, so callers look again before they report an instance drift (see rackctl/settle.py).
 
 It reads accounting's and instance-manager's tables (read-only) and never writes: a drift is for an
 operator to look into, not for the auditor to paper over.
@@ -203,6 +203,7 @@ _INSTANCES = """
     ORDER BY s.name, p.name, i.name, i.id
 """
 """Instances being created are left out: their create saga charges the disk as it goes."""
+
 
 def charge_due(state: str, shape: Resources) -> Resources:
     """What an instance in `state` is charged: vCPUs and RAM while it has a live VMM, disk until it is

@@ -47,6 +47,7 @@ from shared.messages import (
     SledList,
     StatsGet,
     UsageGet,
+    UsageHistoryGet,
     schema_of,
 )
 
@@ -219,6 +220,16 @@ class Client:
 
     async def usage(self, silo: str | None = None, project: str | None = None) -> Any:
         return await self.call(subjects.command(silo, "usage", "get"), UsageGet(silo=silo, project=project))
+
+    async def usage_history(
+        self,
+        silo: str | None = None,
+        project: str | None = None,
+        since_seconds: int = 86400,
+        buckets: int = 120,
+    ) -> Any:
+        body = UsageHistoryGet(silo=silo, project=project, since_seconds=since_seconds, buckets=buckets)
+        return await self.call(subjects.command(silo, "usage", "history"), body)
 
     async def sled_expunge(self, sled_id: str) -> Any:
         return await self.call(subjects.command(None, "sled", "expunge"), SledExpunge(sled_id=sled_id))

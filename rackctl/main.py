@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         for i in range(1, len(words)):
             if words[:i] in subs:
                 continue
-            if words[:i] in leaves:  # a command with commands of its own (`usage`, `usage audit`)
+            if (
+                words[:i] in leaves
+            ):  # a command with commands of its own (`usage`, `usage audit`, `usage history`)
                 subs[words[:i]] = leaves[words[:i]].add_subparsers(metavar="COMMAND", required=False)
                 continue
             about = GROUPS.get(" ".join(words[:i]))

@@ -45,6 +45,7 @@ SUBJECTS = [
     "rp.cmd._fleet.vmm.lost", "rp.cmd._fleet.vmm.zombie", "rp.cmd._fleet.instance.restart",
     "rp.cmd._fleet.instance.settle", "rp.cmd.acme.instance.start", "rp.cmd.acme.instance.list",
     "rp.cmd.acme.instance.restart", "rp.cmd.other.instance.delete", "rp.cmd.acme.usage.get",
+    "rp.cmd.acme.usage.history", "rp.cmd.other.usage.history", "rp.cmd._fleet.usage.history",
     # sleds
     "rp.sled.sled-3.cmd.vmm.ensure", "rp.sled.sled-4.cmd.vmm.destroy", "rp.sled.sled-3.report.vmm",
     "rp.sled.sled-3.report.inventory", "rp.sled.sled-4.report.vmm",
@@ -205,6 +206,20 @@ def test_the_grants_that_matter() -> None:
         "silo-operator-acme",
     }
     assert publishers("rp.cmd.other.instance.delete") == {"fleet-operator", "console", "test"}
+    # usage and its history: as for usage.get, a silo's operator for its own silo only
+    for verb in ("get", "history"):
+        assert publishers(f"rp.cmd.acme.usage.{verb}") == {
+            "fleet-operator",
+            "console",
+            "test",
+            "silo-operator-acme",
+        }
+        assert publishers(f"rp.cmd.other.usage.{verb}") == {"fleet-operator", "console", "test"}
+        assert publishers(f"rp.cmd._fleet.usage.{verb}") == {"fleet-operator", "console", "test"}
+    servers = {
+        i.name for i in PROBED if may_subscribe(i.grants, "rp.cmd.acme.usage.history") and i.grants.responses
+    }
+    assert servers == {"accounting"}
     assert publishers("rp.svc.accounting.faults") == {"test"}
     assert publishers("rp.sim.sled.add") == {"simulator-operator", "console", "test"}
     assert publishers("$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-3") == {"sled-3"}

@@ -1,19 +1,35 @@
-"""`rackctl usage`: what the fleet, a silo or a project uses, against its quota; `rackctl usage audit`:
-whether those totals and each instance's charge are what they should be (rackctl/audit.py)."""
+"""`rackctl usage`: what the fleet, a silo or a project uses, against its quota; `usage history` and
+`usage plot`: how that changed over time; `usage audit`: whether those totals and each instance's charge
+are what they should be (rackctl/audit.py)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from rackctl import audit
-from rackctl.commands.args import duration, json_flag, scope, scope_args, scope_path
-from rackctl.commands.base import Ctx, Failure, UnknownName, command
+from rackctl.commands.args import (
+    count,
+    duration,
+    json_flag,
+    project_path,
+    scope,
+    scope_args,
+    scope_path,
+    silo_path,
+)
+from rackctl.commands.base import Ctx, Failure, UnknownName, command, validated
 from rackctl.commands.database import connect, database_url_option
 from rackctl.output import print_table
 from rackctl.settle import settled
 from rackctl.sizes import format_size
+from shared.messages import MAX_HISTORY_SECONDS, MIN_HISTORY_SECONDS, UsageHistoryGet
+
+GiB = 2**30
 
 
 @command(
@@ -115,3 +131,117 @@ async def usage_audit(ctx: Ctx) -> None:
 
 def _count(drifts: list[audit.Drift]) -> str:
     return "no drift" if not drifts else f"{len(drifts)} drift{'' if len(drifts) == 1 else 's'}"
+
+
+# --- usage over time -------------------------------------------------------------------------------------
+
+_SPAN = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def span(text: str) -> int:
+    """A length of time as `90s`, `30m`, `24h` or `7d`, in seconds, within what a history may cover."""
+    m = _SPAN.match(text.strip())
+    seconds = int(m.group(1)) * _SECONDS[m.group(2)] if m else 0
+    if not MIN_HISTORY_SECONDS <= seconds <= MAX_HISTORY_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"invalid length of time {text!r}: expected a number and s, m, h or d (e.g. 30m, 24h, 7d), "
+            f"from 1m to {MAX_HISTORY_SECONDS // 86400}d"
+        )
+    return seconds
+
+
+def history_scope(text: str) -> tuple[str | None, str | None]:
+    """`fleet`, `SILO` or `SILO/PROJECT` as (silo, project)."""
+    if text == "fleet":
+        return None, None
+    if "/" in text:
+        silo, project = project_path(text)
+        return silo, project
+    return silo_path(text), None
+
+
+def _history_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scope", type=history_scope, metavar="SCOPE", help="fleet, SILO or SILO/PROJECT")
+    p.add_argument(
+        "--since", type=span, default=86400, metavar="AGO", help="how far back: 30m, 24h, 7d (default 24h)"
+    )
+
+
+def _buckets(default: int) -> Callable[[argparse.ArgumentParser], None]:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--buckets",
+            type=count,
+            default=default,
+            metavar="N",
+            help=f"into how many equal intervals to divide the time (default {default})",
+        )
+
+    return add
+
+
+async def _history(ctx: Ctx) -> dict[str, Any]:
+    silo, project = ctx.args.scope
+    body = validated(
+        UsageHistoryGet,
+        {"since_seconds": "--since", "buckets": "--buckets"},
+        silo=silo,
+        project=project,
+        since_seconds=ctx.args.since,
+        buckets=ctx.args.buckets,
+    )
+    result: dict[str, Any] = await (await ctx.client()).send(body)
+    return result
+
+
+@command(
+    "usage history",
+    "usage of the fleet, a silo or a project over time: the least, greatest and last level per interval",
+    _history_args,
+    _buckets(24),
+    json_flag,
+)
+async def usage_history(ctx: Ctx) -> None:
+    def human(h: dict[str, Any]) -> None:
+        quota = h.get("quota") or {}
+        print(f"{h['scope']} {h['name']}" if h["scope"] != "fleet" else "fleet")
+        limits = [
+            f"{label} {fmt(quota[key])}" for label, key, fmt in _RESOURCES if quota.get(key) is not None
+        ]
+        if limits:
+            print("quota: " + ", ".join(limits))
+        rows = [
+            (_when(p["at"]), *(_range(p[key], unit) for key, unit in _HISTORY_COLUMNS)) for p in h["points"]
+        ]
+        print_table(("UNTIL (UTC)", "VCPUS", "RAM GIB", "STORAGE GIB"), rows)
+
+    ctx.emit(await _history(ctx), human)
+
+
+@command(
+    "usage plot",
+    "draw usage over time (vCPUs, RAM, storage) against the quota, as a PNG image",
+    _history_args,
+    _buckets(120),
+    lambda p: p.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="where to write it"),
+)
+async def usage_plot(ctx: Ctx) -> None:
+    from rackctl.plot import save, usage_figure
+
+    fig = usage_figure(await _history(ctx))
+    save(fig, ctx.args.out)
+    print(f"wrote {ctx.args.out}")
+
+
+_HISTORY_COLUMNS = (("vcpus", 1), ("ram_bytes", GiB), ("disk_bytes", GiB))
+
+
+def _when(iso: str) -> str:
+    return f"{datetime.fromisoformat(iso).astimezone(UTC):%Y-%m-%d %H:%M:%S}"
+
+
+def _range(v: dict[str, int], unit: int) -> str:
+    """The last level, and the range the interval covered when it moved: `6 (2-8)`."""
+    last, low, high = (f"{v[k] / unit:g}" for k in ("last", "min", "max"))
+    return last if low == high else f"{last} ({low}-{high})"

@@ -3,7 +3,8 @@ transaction of a few set-based statements, with exactly the outcomes of applying
 
 Invariant: for every project and silo, each total equals the sum of the charges held in instance_charges
 for the instances under it (the fleet's totals are the sum of the silos'); a total never goes below zero;
-a silo's vCPU, RAM and disk totals never exceed its quotas by an increase.
+a silo's vCPU, RAM and disk totals never exceed its quotas by an increase. Every change of a silo's or
+project's totals appends them, as they are after the batch, to usage_history in the same transaction.
 
 How it holds, whatever the order and number of deliveries:
 - a delta states an instance's whole charge at a generation; it is applied only if that generation is
@@ -28,6 +29,7 @@ from typing import Any
 
 import asyncpg
 
+from services.accounting.history import append_history
 from shared import subjects, telemetry
 from shared.db import enqueue_many, queries
 from shared.messages import MAX_TOTAL, Model, Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
@@ -106,6 +108,11 @@ async def apply_batch(conn: asyncpg.Connection, charges: list[Charge]) -> list[R
     )
     await conn.execute(Q["silos_set"], *columns(ledger.changed_silos(), ("id", *AMOUNTS)))
     moved = await conn.fetch(Q["projects_add"], *columns(ledger.project_moves(), ("id", *AMOUNTS)))
+    await append_history(
+        conn,
+        [("silo", s["id"], s["id"], *(s[a] for a in AMOUNTS)) for s in ledger.changed_silos()]
+        + [("project", p["id"], p["silo_id"], *(p[a] for a in AMOUNTS)) for p in moved],
+    )
     await enqueue_many(conn, events(charges, results, moved, ledger), source=SOURCE)
     tally = Counter("duplicate" if r.repeat else r.outcome.value for r in results if isinstance(r, Applied))
     for name, n in tally.items():

@@ -1,4 +1,4 @@
-"""The accounting process: provisioning deltas, silo and project events, usage queries."""
+"""The accounting process: provisioning deltas, silo and project events, usage and its history."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
+from services.accounting.history import history
 from services.accounting.ledger import (
     SOURCE,
     Applied,
@@ -21,7 +22,7 @@ from services.accounting.ledger import (
 )
 from shared import bus, db, subjects, telemetry
 from shared.config import Settings
-from shared.messages import Envelope, ProjectCreated, ProvisionDelta, SiloCreated, UsageGet
+from shared.messages import Envelope, ProjectCreated, ProvisionDelta, SiloCreated, UsageGet, UsageHistoryGet
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,12 @@ async def main(settings: Settings) -> None:
     async def on_usage(body: UsageGet, msg: Msg) -> dict[str, Any]:
         return await usage(pool, body)
 
-    await bus.serve(nc, subjects.command_pattern("usage"), {UsageGet: on_usage}, queue=SOURCE)
+    async def on_history(body: UsageHistoryGet, msg: Msg) -> dict[str, Any]:
+        return await history(pool, body)
+
+    await bus.serve(
+        nc, subjects.command_pattern("usage"), {UsageGet: on_usage, UsageHistoryGet: on_history}, queue=SOURCE
+    )
     await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE)
     common: dict[str, Any] = {"service": SOURCE}

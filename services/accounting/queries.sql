@@ -77,3 +77,60 @@ SELECT p.id, p.name, p.vcpus, p.ram_bytes, p.disk_bytes FROM projects p WHERE p.
 SELECT coalesce(sum(vcpus), 0)::numeric AS vcpus, coalesce(sum(ram_bytes), 0)::numeric AS ram_bytes,
        coalesce(sum(disk_bytes), 0)::numeric AS disk_bytes
 FROM silos;
+
+-- name: history_append
+-- Rows of (scope, id, silo_id, vcpus, ram_bytes, disk_bytes), one array per column, so that one statement
+-- appends any number of them.
+INSERT INTO usage_history (scope, id, silo_id, vcpus, ram_bytes, disk_bytes)
+SELECT * FROM unnest($1::text[], $2::uuid[], $3::uuid[], $4::bigint[], $5::bigint[], $6::bigint[]);
+
+-- name: history_now
+SELECT clock_timestamp();
+
+-- name: silo_ids
+SELECT id FROM silos;
+
+-- name: history_buckets
+-- The summed usage of the series $2 (ids of scope $1) from $3 on, in $5 buckets of $4 seconds: each
+-- bucket's least, greatest and last level, and (bucket -1) the level at $3. Each series' level at $3 is
+-- its last row before $3; after it, the levels are a running sum of every series' differences in
+-- (at, seq) order, so that a sum over several silos (the fleet) moves one change at a time.
+WITH start AS (
+    SELECT b.id, b.vcpus, b.ram_bytes, b.disk_bytes
+    FROM unnest($2::uuid[]) AS ids (id)
+    CROSS JOIN LATERAL (
+        SELECT h.id, h.vcpus, h.ram_bytes, h.disk_bytes FROM usage_history h
+        WHERE h.id = ids.id AND h.scope = $1 AND h.at < $3
+        ORDER BY h.at DESC, h.seq DESC LIMIT 1
+    ) b
+), base AS (
+    SELECT coalesce(sum(vcpus), 0)::bigint AS vcpus, coalesce(sum(ram_bytes), 0)::bigint AS ram_bytes,
+           coalesce(sum(disk_bytes), 0)::bigint AS disk_bytes
+    FROM start
+), changes AS (
+    SELECT h.at, h.seq,
+           h.vcpus - coalesce(lag(h.vcpus) OVER w, s.vcpus, 0) AS dv,
+           h.ram_bytes - coalesce(lag(h.ram_bytes) OVER w, s.ram_bytes, 0) AS dr,
+           h.disk_bytes - coalesce(lag(h.disk_bytes) OVER w, s.disk_bytes, 0) AS dd
+    FROM usage_history h LEFT JOIN start s ON s.id = h.id
+    WHERE h.id = ANY ($2::uuid[]) AND h.scope = $1 AND h.at >= $3
+    WINDOW w AS (PARTITION BY h.id ORDER BY h.at, h.seq)
+), levels AS (
+    SELECT least(floor(extract(epoch FROM c.at - $3) / $4)::int, $5 - 1) AS bucket, c.at, c.seq,
+           (base.vcpus + sum(c.dv) OVER o)::bigint AS vcpus,
+           (base.ram_bytes + sum(c.dr) OVER o)::bigint AS ram_bytes,
+           (base.disk_bytes + sum(c.dd) OVER o)::bigint AS disk_bytes
+    FROM changes c, base
+    WINDOW o AS (ORDER BY c.at, c.seq)
+)
+SELECT bucket,
+       min(vcpus) AS vcpus_min, max(vcpus) AS vcpus_max,
+       (array_agg(vcpus ORDER BY at DESC, seq DESC))[1] AS vcpus_last,
+       min(ram_bytes) AS ram_bytes_min, max(ram_bytes) AS ram_bytes_max,
+       (array_agg(ram_bytes ORDER BY at DESC, seq DESC))[1] AS ram_bytes_last,
+       min(disk_bytes) AS disk_bytes_min, max(disk_bytes) AS disk_bytes_max,
+       (array_agg(disk_bytes ORDER BY at DESC, seq DESC))[1] AS disk_bytes_last
+FROM levels GROUP BY bucket
+UNION ALL
+SELECT -1, vcpus, vcpus, vcpus, ram_bytes, ram_bytes, ram_bytes, disk_bytes, disk_bytes, disk_bytes FROM base
+ORDER BY bucket;

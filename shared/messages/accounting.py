@@ -18,6 +18,8 @@ from shared.messages.base import (
     ChargedVcpus,
     Event,
     Generation,
+    HistoryBuckets,
+    HistorySeconds,
     Model,
     Name,
     QuotaAmount,
@@ -81,5 +83,19 @@ class Quota(Model):
 class UsageGet(Model):
     silo: Name | None = None
     project: Name | None = None
+
+    _project_needs_silo = field_validator("project")(project_within_silo)
+
+
+@message("rp.cmd.usage.history")
+class UsageHistoryGet(Model):
+    """Usage of the fleet, a silo or a project over the last `since_seconds`, compacted into `buckets`
+    intervals of equal length (each its least, greatest and last level), so that the reply stays small
+    whatever the number of changes."""
+
+    silo: Name | None = None
+    project: Name | None = None
+    since_seconds: HistorySeconds = 86400
+    buckets: HistoryBuckets = 120
 
     _project_needs_silo = field_validator("project")(project_within_silo)

@@ -76,6 +76,16 @@ PageSize = Annotated[int, Field(ge=1, le=PAGE_LIMIT)]
 Cursor = Annotated[str, Field(min_length=1, max_length=300)]
 PoolSize = Annotated[int, Field(ge=0, le=1000)]
 
+# --- usage history ------------------------------------------------------------------------------------
+
+MIN_HISTORY_SECONDS = 60
+MAX_HISTORY_SECONDS = 90 * 86400
+MAX_HISTORY_BUCKETS = 500
+"""The most intervals a usage history reply carries: some 250 bytes each, far below max_payload."""
+
+HistorySeconds = Annotated[int, Field(ge=MIN_HISTORY_SECONDS, le=MAX_HISTORY_SECONDS)]
+HistoryBuckets = Annotated[int, Field(ge=1, le=MAX_HISTORY_BUCKETS)]
+
 # --- fault injection and the simulator ----------------------------------------------------------------
 
 MAX_HOLD_SECONDS = 5
