@@ -287,15 +287,22 @@ class Consumer:
                 else:
                     await self.handle(msg)
 
-    async def handle(self, msg: Msg) -> None:
+    async def _admit(self, msg: Msg) -> tuple[Envelope, Any] | None:
+        """The message decoded and verified against its subject, or None once it is dead-lettered."""
         try:
             env, body = decode(msg.data, self.expect)
         except BadMessage as e:
             await self._dead_letter(msg, f"{e.code}: {e.reason}")
-            return
+            return None
         if self.verify is not None and (refused := self.verify(msg.subject, body)):
             await self._dead_letter(msg, refused)
+            return None
+        return env, body
+
+    async def handle(self, msg: Msg) -> None:
+        if (admitted := await self._admit(msg)) is None:
             return
+        env, body = admitted
         try:
             with telemetry.span(
                 f"process {msg.subject}",
@@ -426,17 +433,10 @@ class BatchConsumer(Consumer):
     async def handle_batch(self, msgs: list[Msg]) -> None:
         batch: list[Delivery] = []
         for msg in msgs:
-            try:
-                env, body = decode(msg.data, self.expect)
-            except BadMessage as e:
-                await self._dead_letter(msg, f"{e.code}: {e.reason}")
+            if (admitted := await self._admit(msg)) is None:
                 continue
-            if self.verify is not None and (refused := self.verify(msg.subject, body)):
-                await self._dead_letter(msg, refused)
-                continue
-            if FAULTS.active and FAULTS.slows(
-                msg
-            ):  # handled late, on its own, so that its redelivery overtakes it
+            env, body = admitted
+            if FAULTS.active and FAULTS.slows(msg):  # handled late, alone: its redelivery overtakes it
                 task = asyncio.create_task(self._slowly(Delivery(env, body, msg)))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
