@@ -273,11 +273,9 @@ class Consumer:
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # broker restarting, consumer gone, connection closed
-                log.warning("%s/%s: fetch failed (%s); retrying", self.service, self.durable, e)
-                telemetry.count(f"{self.durable}.fetch_errors")
+            except Exception as e:
                 sub = None
-                await asyncio.sleep(0.5)
+                await self._fetch_failed(e)
                 continue
             for msg in msgs:
                 if FAULTS.active and FAULTS.slows(msg):  # so that its redelivery overtakes it: see faults.py
@@ -286,6 +284,13 @@ class Consumer:
                     task.add_done_callback(self._tasks.discard)
                 else:
                     await self.handle(msg)
+
+    async def _fetch_failed(self, e: Exception) -> None:
+        """The broker is restarting, the consumer is gone or the connection closed: say so, count it and
+        wait a little; the caller subscribes anew."""
+        log.warning("%s/%s: fetch failed (%s); retrying", self.service, self.durable, e)
+        telemetry.count(f"{self.durable}.fetch_errors")
+        await asyncio.sleep(0.5)
 
     async def _admit(self, msg: Msg) -> tuple[Envelope, Any] | None:
         """The message decoded and verified against its subject, or None once it is dead-lettered."""
@@ -419,11 +424,9 @@ class BatchConsumer(Consumer):
                     continue
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:  # broker restarting, consumer gone, connection closed
-                    log.warning("%s/%s: fetch failed (%s); retrying", self.service, self.durable, e)
-                    telemetry.count(f"{self.durable}.fetch_errors")
+                except Exception as e:
                     sub, pending = None, None
-                    await asyncio.sleep(0.5)
+                    await self._fetch_failed(e)
                     continue
                 await self.handle_batch(msgs)
         finally:
