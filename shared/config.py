@@ -89,6 +89,22 @@ def env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+_FLAGS = {
+    **dict.fromkeys(("1", "on", "true", "yes"), True),
+    **dict.fromkeys(("0", "off", "false", "no"), False),
+}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """On or off: 1, on, true, yes or 0, off, false, no (any case); unset or empty keeps the default."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw.lower() not in _FLAGS:
+        raise ConfigError(f"{name}={raw!r}: expected 1 or 0 (on/off, true/false, yes/no)")
+    return _FLAGS[raw.lower()]
+
+
 def setup_logging(service: str, level: str) -> None:
     logging.basicConfig(
         level=level.upper(),
@@ -151,3 +167,9 @@ def ack_wait() -> float:
     Tests set it low so that a held-back ack, or a handler slower than this, is redelivered quickly.
     """
     return env_float("RACKPLANE_ACK_WAIT", 30.0)
+
+
+def event_v1() -> bool:
+    """Whether instance-manager still sends `rp.evt.instance.changed` v1 beside v2 (RACKPLANE_EVENT_V1, on
+    by default): the deprecation window, while readers that know only v1 may still be running."""
+    return env_flag("RACKPLANE_EVENT_V1", True)
