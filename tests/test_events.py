@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import nats.errors
@@ -27,7 +28,7 @@ EXAMPLE = ROOT / "examples" / "events_consumer" / "consume.py"
 
 
 async def _lines_until(
-    stream: asyncio.StreamReader, done: callable, timeout: float = 30  # type: ignore[valid-type]
+    stream: asyncio.StreamReader, done: Callable[[list[str]], bool], timeout: float = 30
 ) -> list[str]:
     """Lines read until `done(lines)` holds (or the time is up: the test then fails on what it got)."""
     lines: list[str] = []
