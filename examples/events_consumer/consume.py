@@ -86,7 +86,17 @@ async def main() -> None:
         options["nkeys_seed"] = context["nkey"]
     if context.get("ca"):
         options["tls"] = ssl.create_default_context(cafile=context["ca"])
-    nc = await nats.connect(context["url"], name="events-consumer-example", **options)
+
+    async def on_error(e: Exception) -> None:  # one line, not nats-py's traceback, when the broker is away
+        print(f"nats: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    nc = await nats.connect(
+        context["url"],
+        name="events-consumer-example",
+        error_cb=on_error,
+        max_reconnect_attempts=-1,
+        **options,
+    )
     js = nc.jetstream()
     config = api.ConsumerConfig(
         durable_name=DURABLE,
