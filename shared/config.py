@@ -67,13 +67,18 @@ _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
 
 
+def parse_duration(text: str) -> float:
+    """`text` in seconds: a number of seconds, or a duration such as 90s, 30m, 12h, 7d, 2w; 0 if neither."""
+    m = _DURATION.fullmatch(text.strip().lower())
+    return float(m[1]) * _UNITS[m[2] or "s"] if m else 0.0
+
+
 def env_duration(name: str, default: float) -> float:
     """Seconds above zero, given as a number of seconds or as a duration such as 90s, 30m, 12h, 7d, 2w."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    m = _DURATION.fullmatch(raw.lower())
-    seconds = float(m[1]) * _UNITS[m[2] or "s"] if m else 0.0
+    seconds = parse_duration(raw)
     if seconds <= 0:
         raise ConfigError(f"{name}={raw!r}: expected seconds or a duration such as 90s, 30m, 12h or 7d")
     return seconds
@@ -173,3 +178,8 @@ def event_v1() -> bool:
     """Whether instance-manager still sends `rp.evt.instance.changed` v1 beside v2 (RACKPLANE_EVENT_V1, on
     by default): the deprecation window, while readers that know only v1 may still be running."""
     return env_flag("RACKPLANE_EVENT_V1", True)
+
+
+def dead_letter_alert() -> float:
+    """`rackctl check` reports dead letters younger than this (RACKPLANE_DLQ_ALERT, 1h by default)."""
+    return env_duration("RACKPLANE_DLQ_ALERT", 3600.0)
