@@ -45,7 +45,7 @@ async def test_a_short_fixed_seed_chaos_run_keeps_every_invariant() -> None:
     await run(seed=20261202, duration=40)
 
 
-async def test_a_short_chaos_run_with_recovery_at_the_release_before_v2_beside_todays() -> None:
+async def test_a_short_chaos_run_with_services_of_the_release_before_v2_beside_todays() -> None:
     """A rolling upgrade under chaos, mid-way: beside today's instance-manager (sending v1 and v2) and
     recovery (reading both), one of each at the release before v2: an instance-manager that sends v1
     alone, a recovery that reads v1 alone. Every invariant holds."""
