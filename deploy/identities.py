@@ -181,8 +181,7 @@ def service_grants(name: str) -> Grants:
     raise ValueError(f"no service {name!r}")
 
 
-EVENTS_READER_DURABLE = "events-reader"
-"""The durable consumer of the `events-reader` identity (a third party's consumer: examples/)."""
+EVENTS_READER_DURABLE = subjects.EVENTS_READER
 EVENTS_READER = Grants(publish=(JS_INFO,)) | consume(
     subjects.EVENTS_STREAM, EVENTS_READER_DURABLE, subjects.event_pattern(None)
 )

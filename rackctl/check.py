@@ -208,10 +208,10 @@ CONSUMERS = {
 """The services' fixed durable consumers (the sleds' own, `sled-agent-<sled>`, come and go with them)."""
 
 
-def is_service_consumer(name: str) -> bool:
-    """One of the services' own durables (the sleds' included), which must keep up; not an operator's
-    `events follow`, the events reader's or a test's."""
-    return name in CONSUMERS or name.startswith("sled-agent-")
+def judged(c: Any) -> bool:
+    """A durable consumer, which must keep up, but the events reader's (a third party's, which reads at its
+    own pace); not an ephemeral one (an operator's `events follow`, an ordered reader)."""
+    return bool(c.config.durable_name) and c.name != subjects.EVENTS_READER
 
 
 SETTLE_GRACE = 5.0
@@ -220,11 +220,12 @@ inventories on a timer, so even a quiet rack has one in flight now and then."""
 
 
 async def consumers_settled(js: JetStreamContext, grace: float = SETTLE_GRACE) -> list[str]:
-    """At rest: every consumer of the services on rackplane's streams settles everything published before
-    the check began (applied, dropped as stale or duplicate by its handler, or dead-lettered with its reason;
-    the DLQ stream keeps those). A consumer passes at once with nothing pending or unacked; otherwise it
-    passes when, within `grace`, it is seen idle or its ack floor reaches the stream's last message as it
-    was at the start (everything up to the floor is acked, so nothing held then is left)."""
+    """At rest: every durable consumer of rackplane's streams (but a third party's: `judged`) settles
+    everything published before the check began (applied, dropped as stale or duplicate by its handler, or
+    dead-lettered with its reason; the DLQ stream keeps those). A consumer passes at once with nothing
+    pending or unacked; otherwise it passes when, within `grace`, it is seen idle or its ack floor reaches
+    the stream's last message as it was at the start (everything up to the floor is acked, so nothing held
+    then is left)."""
     out = []
     seen: set[str] = set()
     busy: dict[tuple[str, str], int] = {}
@@ -237,8 +238,8 @@ async def consumers_settled(js: JetStreamContext, grace: float = SETTLE_GRACE) -
             continue
         for c in infos:
             seen.add(c.name)
-            if not is_service_consumer(c.name):
-                continue  # a follower's, a third party's: how far it has read is its own business
+            if not judged(c):
+                continue  # a follower's, the events reader's: how far it has read is its own business
             if c.num_pending or c.num_ack_pending:
                 busy[(stream, c.name)] = last
     deadline = asyncio.get_running_loop().time() + grace
