@@ -183,8 +183,7 @@ def service_grants(name: str) -> Grants:
     raise ValueError(f"no service {name!r}")
 
 
-EVENTS_READER_DURABLE = "events-reader"
-"""The durable consumer of the `events-reader` identity (a third party's consumer: examples/)."""
+EVENTS_READER_DURABLE = subjects.EVENTS_READER
 EVENTS_READER = Grants(publish=(JS_INFO,)) | consume(
     subjects.EVENTS_STREAM, EVENTS_READER_DURABLE, subjects.event_pattern(None)
 )
@@ -243,12 +242,12 @@ AUDITOR = Grants(
         "$JS.API.CONSUMER.NAMES.*",
         "$JS.API.CONSUMER.LIST.*",
         "$JS.API.CONSUMER.INFO.*.*",
-        # ephemeral (ordered) consumers on the streams it reads: the plain create subject refuses a durable
-        *(f"$JS.API.CONSUMER.CREATE.{stream}" for stream in AUDITED_STREAMS),
-        *(f"$JS.FC.{stream}.>" for stream in AUDITED_STREAMS),
         subjects.stats("*"),
     )
 )
+"""It reads messages by sequence (`rackctl/stored.py`) and creates no consumer: a create request naming
+an existing consumer updates it, filter included, whatever the create subject, so a reader with a create
+grant could re-point a service's durable."""
 FLEET_OPERATOR = Grants(
     publish=("rp.cmd.*.>", subjects.stats("*")), publish_deny=RECOVERY_ORDERS, subscribe=("rp.evt.>",)
 ) | follow_events(subjects.event_pattern(None))
@@ -269,20 +268,25 @@ STREAM_ADMIN = Grants(
     )
 )
 TEST_CONSUMERS = Grants(
-    publish=tuple(
-        grant
-        for stream in (subjects.EVENTS_STREAM, subjects.PROVISION_STREAM)
-        for grant in (
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
-            f"$JS.API.CONSUMER.CREATE.{stream}.*.>",
-            f"$JS.API.CONSUMER.DELETE.{stream}.*",
-            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-            f"$JS.ACK.{stream}.>",
-        )
+    publish=(
+        *(
+            grant
+            for stream in (subjects.EVENTS_STREAM, subjects.PROVISION_STREAM)
+            for grant in (
+                f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
+                f"$JS.API.CONSUMER.CREATE.{stream}.*.>",
+                f"$JS.API.CONSUMER.DELETE.{stream}.*",
+                f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+                f"$JS.ACK.{stream}.>",
+            )
+        ),
+        # ordered consumers on the streams the auditor reads (the plain create subject refuses a durable)
+        *(f"$JS.API.CONSUMER.CREATE.{stream}" for stream in AUDITED_STREAMS),
+        *(f"$JS.FC.{stream}.>" for stream in AUDITED_STREAMS),
     )
 )
-"""Tests follow EVENTS and read deltas through durables of their own (a test identity only: operators never
-may)."""
+"""Tests follow EVENTS, read deltas and dead letters through consumers of their own (a test identity only:
+operators never may)."""
 DLQ_ADMIN = Grants(
     publish=(
         JS_INFO,

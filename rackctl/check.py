@@ -19,7 +19,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from rackctl import audit, dlq
+from rackctl import audit, dlq, stored
 from shared import subjects
 from shared.config import transition_timeout
 from shared.messages import (
@@ -209,17 +209,24 @@ CONSUMERS = {
 """The services' fixed durable consumers (the sleds' own, `sled-agent-<sled>`, come and go with them)."""
 
 
+def judged(c: Any) -> bool:
+    """A durable consumer, which must keep up, but the events reader's (a third party's, which reads at its
+    own pace); not an ephemeral one (an operator's `events follow`, an ordered reader)."""
+    return bool(c.config.durable_name) and c.name != subjects.EVENTS_READER
+
+
 SETTLE_GRACE = 5.0
 """Seconds a consumer has, at rest, to settle what it held when the check began: sleds publish
 inventories on a timer, so even a quiet rack has one in flight now and then."""
 
 
 async def consumers_settled(js: JetStreamContext, grace: float = SETTLE_GRACE) -> list[str]:
-    """At rest: every durable consumer of rackplane's streams settles everything published before the
-    check began (applied, dropped as stale or duplicate by its handler, or dead-lettered with its reason;
-    the DLQ stream keeps those). A consumer passes at once with nothing pending or unacked; otherwise it
-    passes when, within `grace`, it is seen idle or its ack floor reaches the stream's last message as it
-    was at the start (everything up to the floor is acked, so nothing held then is left)."""
+    """At rest: every durable consumer of rackplane's streams (but a third party's: `judged`) settles
+    everything published before the check began (applied, dropped as stale or duplicate by its handler, or
+    dead-lettered with its reason; the DLQ stream keeps those). A consumer passes at once with nothing
+    pending or unacked; otherwise it passes when, within `grace`, it is seen idle or its ack floor reaches
+    the stream's last message as it was at the start (everything up to the floor is acked, so nothing held
+    then is left)."""
     out = []
     seen: set[str] = set()
     busy: dict[tuple[str, str], int] = {}
@@ -232,6 +239,8 @@ async def consumers_settled(js: JetStreamContext, grace: float = SETTLE_GRACE) -
             continue
         for c in infos:
             seen.add(c.name)
+            if not judged(c):
+                continue  # a follower's, the events reader's: how far it has read is its own business
             if c.num_pending or c.num_ack_pending:
                 busy[(stream, c.name)] = last
     deadline = asyncio.get_running_loop().time() + grace
@@ -346,22 +355,14 @@ async def pool_vms_handed_out_once(js: JetStreamContext) -> list[str]:
     A pick is its event's envelope id: a copy of one message (a resend, or a duplicate past the broker's
     dedupe) is the same pick; another pick of the same VM would be another message."""
     picks: collections.defaultdict[str, set[str]] = collections.defaultdict(set)
-    sub = await js.subscribe(subjects.event("*", "pool", "changed"), ordered_consumer=True)
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except nats.errors.TimeoutError:
-                break
-            try:
-                env, event = decode(msg.data, PoolChanged)
-            except BadMessage:
-                continue
-            assert isinstance(event, PoolChanged)
-            if event.change == "picked" and event.instance_id is not None:
-                picks[str(event.instance_id)].add(str(env.id))
-    finally:
-        await sub.unsubscribe()
+    async for msg in stored.messages(js, subjects.EVENTS_STREAM, subjects.event("*", "pool", "changed")):
+        try:
+            env, event = decode(msg.data or b"", PoolChanged)
+        except BadMessage:
+            continue
+        assert isinstance(event, PoolChanged)
+        if event.change == "picked" and event.instance_id is not None:
+            picks[str(event.instance_id)].add(str(env.id))
     return [
         f"pool VM {vm} was handed out {len(ids)} times" for vm, ids in sorted(picks.items()) if len(ids) > 1
     ]
@@ -373,21 +374,13 @@ async def no_claimed_vmm_destroyed(conn: asyncpg.Connection, js: JetStreamContex
     the control plane has no record of (a zombie nobody ever claimed, or a record pruned: pruning keeps
     every record that ended after the horizon, so an order sent since is judged in full)."""
     orders: list[tuple[Any, VmmDestroy]] = []
-    sub = await js.subscribe(subjects.sled_command("*", "vmm.destroy"), ordered_consumer=True)
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except nats.errors.TimeoutError:
-                break
-            try:
-                _, body = decode(msg.data, VmmDestroy)
-            except BadMessage:
-                continue  # not a destroy at all: dead-lettered by its sled, never carried out
-            assert isinstance(body, VmmDestroy)
-            orders.append((msg.metadata.timestamp, body))
-    finally:
-        await sub.unsubscribe()
+    async for msg in stored.messages(js, subjects.SLED_CMD_STREAM, subjects.sled_command("*", "vmm.destroy")):
+        try:
+            _, body = decode(msg.data or b"", VmmDestroy)
+        except BadMessage:
+            continue  # not a destroy at all: dead-lettered by its sled, never carried out
+        assert isinstance(body, VmmDestroy)
+        orders.append((msg.time, body))
     records = {
         r["id"]: r
         for r in await conn.fetch(

@@ -19,6 +19,7 @@ from typing import Any
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from rackctl import stored
 from shared import bus, subjects
 
 DLQ = subjects.DLQ_STREAM
@@ -113,20 +114,10 @@ async def read(
     """Every dead letter (of `service`, and stored at or after `since`), oldest first."""
     info = await _api(js, f"$JS.API.STREAM.INFO.{DLQ}", js.stream_info(DLQ))
     pattern = subjects.dead_letter(service, ">") if service else subjects.dead_letter("*", ">")
-    out: list[DeadLetter] = []
-    seq = info.state.first_seq or 1
-    while info.state.messages and seq <= info.state.last_seq:
-        try:
-            raw = await _api(
-                js, f"$JS.API.STREAM.MSG.GET.{DLQ}", js.get_msg(DLQ, seq=seq, subject=pattern, next=True)
-            )
-        except nats.js.errors.NotFoundError:
-            break  # none at or after `seq`
-        letter = _parse(raw)
-        if since is None or letter.time >= since:
-            out.append(letter)
-        seq = letter.seq + 1
-    return out
+    if not info.state.messages:
+        return []
+    letters = [_parse(raw) async for raw in stored.messages(js, DLQ, pattern, info.state.first_seq or 1)]
+    return [d for d in letters if since is None or d.time >= since]
 
 
 @dataclass(frozen=True)

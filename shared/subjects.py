@@ -92,6 +92,10 @@ def event_pattern(silo: str | None) -> str:
     return f"rp.evt.{silo}.>" if silo else "rp.evt.>"
 
 
+EVENTS_READER = "events-reader"
+"""The durable consumer on EVENTS of the `events-reader` identity: a third party's (examples/)."""
+
+
 def dead_letter(service: str, consumer: str) -> str:
     return f"rp.dlq.{service}.{consumer}"
 

@@ -5,6 +5,7 @@ its own silo only, and no follower can re-point a service's durable consumer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -193,6 +194,35 @@ async def test_the_example_consumer_prints_a_start_and_a_stop(
         lines = await _lines_until(proc.stdout, lambda ls: _saw_running_and_stopped(instance, ls))
     finally:
         err = await _stop(proc)
+        await client.nc.jetstream().delete_consumer(subjects.EVENTS_STREAM, identities.EVENTS_READER_DURABLE)
     assert _saw_running_and_stopped(instance, lines), (lines, err)
     assert "refused" not in err, err  # every event valid against its published schema
     assert any(f"rp.evt.{silo}.instance.changed.v2  {instance} running (generation" in x for x in lines)
+
+
+async def test_the_auditor_cannot_re_point_a_durable(stack: Stack) -> None:
+    """The auditor reads streams by message, and creates no consumer: a create request naming a service's
+    durable, on any create subject, with or without `durable_name`, leaves the durable as it was."""
+    durable = "accounting-silos"
+    before = await _filter_of(stack, durable)
+    config = {
+        "name": durable,
+        "filter_subject": "rp.evt.acme.>",
+        "ack_policy": "explicit",
+        "deliver_policy": "all",
+        "max_deliver": -1,
+        "max_ack_pending": 10000,
+    }
+    nc = await connect_as(stack, "auditor")
+    try:
+        for create in (
+            "$JS.API.CONSUMER.CREATE.EVENTS",
+            f"$JS.API.CONSUMER.CREATE.EVENTS.{durable}.rp.evt.acme.>",
+        ):
+            for body in (config, {**config, "durable_name": durable}):
+                request = json.dumps({"stream_name": "EVENTS", "config": body}).encode()
+                with contextlib.suppress(bus.CommandError, nats.errors.TimeoutError):
+                    await bus.unless_denied(nc, create, nc.request(create, request, timeout=3))
+    finally:
+        await nc.close()
+    assert await _filter_of(stack, durable) == before

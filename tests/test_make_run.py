@@ -56,6 +56,8 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         assert f"127.0.0.1:{pg_port}" in output
 
         assert (home / "contexts" / "default.json").exists()
+        for name in ("dlq-admin", "events-reader"):  # the identities an operator picks by name
+            assert json.loads((home / "contexts" / f"{name}.json").read_text())["identity"] == name
         cli_env = env  # no URL, no credential: the default context has both
 
         def sleds() -> list[dict[str, object]]:
