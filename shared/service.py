@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import telemetry
-from shared.config import ConfigError, Settings, setup_logging
+from shared.config import ConfigError, Settings, settings, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +20,15 @@ log = logging.getLogger(__name__)
 def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
     """Run `main` until it returns or the process is asked to stop. A bad setting stops it with one line
     that names the variable."""
-    settings = Settings.from_env()
-    setup_logging(service, settings.log_level)
-    telemetry.setup_tracing(service)
+    try:
+        given = settings()
+    except ConfigError as e:
+        raise SystemExit(f"{service}: {e}") from None
+    setup_logging(service, given.log_level)
+    telemetry.setup_tracing(service, given.traces)
 
     async def supervise() -> None:
-        task = asyncio.create_task(main(settings))
+        task = asyncio.create_task(main(given))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
@@ -36,8 +39,6 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
 
     try:
         asyncio.run(supervise())
-    except ConfigError as e:
-        raise SystemExit(f"{service}: {e}") from None
     finally:
         telemetry.shutdown_tracing()
 
@@ -77,7 +78,7 @@ async def serve_stats(
     await bus.serve(nc, subjects.stats(service), {StatsGet: answer}, queue=service, check_silo=False)
 
 
-async def serve_faults(nc: Any, service: str, settings: Settings | None = None) -> None:
+async def serve_faults(nc: Any, service: str) -> None:
     """Answer `rp.svc.<service>.faults`: set or read this process's fault injection (shared/faults.py).
 
     Only when the process was started with fault injection enabled (RACKPLANE_FAULTS=1): otherwise it
@@ -90,7 +91,7 @@ async def serve_faults(nc: Any, service: str, settings: Settings | None = None) 
     from shared.faults import FAULTS
     from shared.messages import ServiceFaults
 
-    if not (settings or Settings.from_env()).faults:
+    if not settings().faults:
         return
 
     async def answer(body: ServiceFaults, msg: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from services.instance_manager.pools import Keeper, Pools
 from services.instance_manager.prune import Pruner
 from services.instance_manager.start_saga import START
 from shared import bus, subjects
-from shared.config import Settings, prune_interval, retention
+from shared.config import Settings
 from shared.messages import Envelope, ProvisionOutcome, SledInventory, VmmReport
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
@@ -83,9 +83,8 @@ def consumers(app: App) -> list[bus.Consumer]:
 
 
 async def main(settings: Settings) -> None:
-    keep_for, prune_every = retention(), prune_interval()  # a bad setting stops the process before it starts
     app = await build(settings)
-    pruner = Pruner(app.pool, settings.database_url, keep_for, prune_every)
+    pruner = Pruner(app.pool, settings.database_url, settings.retention, settings.prune_interval)
     keeper = Keeper(app, settings.database_url)
     pools = Pools(app, keeper)
     await Commands(app, pools).serve()

@@ -7,27 +7,21 @@ a pool of them up front). A sled without one cannot join: `rp.sim.sled.add` says
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
 from shared import bus, subjects
-from shared.config import Settings
+from shared.config import Settings, settings
 
 
 class NoCredential(Exception):
     pass
 
 
-def nkeys_dir() -> Path | None:
-    d = os.environ.get("RACKPLANE_SLED_NKEYS")
-    return Path(d) if d else None
-
-
 def seed_file(sled_id: str) -> Path | None:
     """The sled's credential, or None when the broker asks for none (no RACKPLANE_SLED_NKEYS)."""
-    folder = nkeys_dir()
+    folder = settings().sled_nkeys
     if folder is None:
         return None
     path = folder / f"{sled_id}.nk"
