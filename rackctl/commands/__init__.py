@@ -5,8 +5,32 @@ order in which `rackctl --help` lists them.
 """
 
 # isort: off
-from rackctl.commands import silo, project, instance, pool, sled, sim, usage, chaos, check
+from rackctl.commands import (
+    silo,
+    project,
+    instance,
+    pool,
+    sled,
+    sim,
+    usage,
+    chaos,
+    check,
+    completion,
+    version,
+)
 
 # isort: on
 
-__all__ = ["chaos", "check", "instance", "pool", "project", "silo", "sim", "sled", "usage"]
+__all__ = [
+    "chaos",
+    "check",
+    "completion",
+    "instance",
+    "pool",
+    "project",
+    "silo",
+    "sim",
+    "sled",
+    "usage",
+    "version",
+]
