@@ -14,7 +14,7 @@ import re
 import sys
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -141,6 +141,19 @@ class Settings(BaseSettings):
         "tests only: crash points, comma-separated, where the process dies as kill -9 would "
         "(shared/crash.py)",
         shown="(none)",
+    )
+
+    # migrations
+    migrations: Literal["auto", "skip", "only"] = _var(
+        "RACKPLANE_MIGRATE",
+        "auto",
+        "`auto`: apply pending migrations at start; `only`: apply them and exit; `skip`: apply none, and "
+        "refuse to start unless the schema is current (see [Migrations](#migrations))",
+    )
+    migration_lock_timeout: Duration = _var(
+        "RACKPLANE_MIGRATE_LOCK_TIMEOUT",
+        10.0,
+        "how long a migration waits for a table lock before it fails (and leaves the schema as it was)",
     )
 
     # the sled-agent simulator

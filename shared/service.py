@@ -8,11 +8,11 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from pathlib import Path
 from typing import Any
 
 from shared import telemetry
 from shared.config import ConfigError, Settings, settings, setup_logging
+from shared.db import MigrationError
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,16 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
 
     try:
         asyncio.run(supervise())
+    except Migrated as done:
+        log.info("%s: %s", service, done)
+    except MigrationError as e:
+        raise SystemExit(f"{service}: {e}") from None
     finally:
         telemetry.shutdown_tracing()
+
+
+class Migrated(Exception):
+    """RACKPLANE_MIGRATE=only: the schema is current and the process has nothing more to do (exit 0)."""
 
 
 def dump_tasks() -> None:
@@ -122,10 +130,28 @@ async def connect_bus(settings: Settings, service: str, identity: str | None = N
     return nc, nc.jetstream()
 
 
-async def open_database(settings: Settings, schema: str, migrations: Path) -> Any:
-    """A pool on the service's own schema, its migrations applied."""
+async def open_database(settings: Settings, schema: str) -> Any:
+    """A pool on the service's own schema, its migrations applied, or (RACKPLANE_MIGRATE=skip) found
+    applied already; with RACKPLANE_MIGRATE=only, the process stops once they are (`Migrated`)."""
     from shared import db
+    from shared.migrate import migrations_dir
 
     pool = await db.create_pool(settings.database_url, schema)
-    await db.migrate(pool, schema, migrations)
+    try:
+        if settings.migrations == "skip":
+            async with pool.acquire() as conn:
+                db.require_current(schema, await db.migration_states(conn, migrations_dir(schema)))
+            return pool
+        applied = await db.migrate(
+            pool, schema, migrations_dir(schema), lock_timeout=settings.migration_lock_timeout
+        )
+        if applied:
+            log.info("%s: applied %s", schema, ", ".join(applied))
+        if settings.migrations == "only":
+            raise Migrated(
+                f"schema {schema} is current ({len(applied)} applied now); exiting (RACKPLANE_MIGRATE=only)"
+            )
+    except BaseException:
+        await pool.close()
+        raise
     return pool

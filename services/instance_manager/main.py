@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -28,7 +27,7 @@ SCHEMA = "instance_manager"
 
 
 async def build(settings: Settings) -> App:
-    pool = await open_database(settings, SCHEMA, Path(__file__).parent / "migrations")
+    pool = await open_database(settings, SCHEMA)
     nc, js = await connect_bus(settings, SOURCE)
     app = App(pool, nc, js, settings.database_url)
     app.sagas.register(CREATE)
