@@ -131,6 +131,7 @@ def service_grants(name: str) -> Grants:
                     subjects.event("*", "silo", "created"),
                     subjects.event("*", "project", "created"),
                     subjects.event("*", "instance", "changed"),
+                    subjects.event("*", "instance", "changed", version=2),
                     subjects.event("*", "pool", "changed"),
                     subjects.event(None, "sled", "changed"),
                 )
@@ -157,6 +158,7 @@ def service_grants(name: str) -> Grants:
         return (
             service_common(name)
             | consume(ev, "recovery-instances", subjects.event("*", "instance", "changed"))
+            | consume(ev, "recovery-instances-v2", subjects.event("*", "instance", "changed", version=2))
             | consume(rep, "recovery-inventory", subjects.sled_report("*", "inventory"))
             | consume(ev, "recovery-sleds", subjects.event(None, "sled", "changed"))
             | Grants(

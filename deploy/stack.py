@@ -299,16 +299,19 @@ class Service:
     name: str
     env: dict[str, str]
     log_path: Path
+    root: Path = ROOT
+    """The source tree it runs from: this one, or another release's (a rolling upgrade's old code)."""
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Service:
+        """Start the process (again, after a stop or a kill: the same tree, the same settings)."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{self.name}"],
-            env=self.env,
+            env={**self.env, "PYTHONPATH": str(self.root)},
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=self.root,
             start_new_session=True,
         )
         return self
@@ -411,10 +414,11 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def start_service(self, name: str, replica: str | None = None) -> Service:
-        """Start a service; `replica` names a second (third...) process of the same service."""
+    def start_service(self, name: str, replica: str | None = None, root: Path = ROOT) -> Service:
+        """Start a service; `replica` names a second (third...) process of the same service, and `root` the
+        source tree it runs (another release's, checked out elsewhere, beside this one's)."""
         key = replica or name
-        svc = Service(name, self.service_env(name), self.dir / f"{key}.log").start()
+        svc = Service(name, self.service_env(name), self.dir / f"{key}.log", root).start()
         self.services[key] = svc
         return svc
 

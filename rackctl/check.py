@@ -202,6 +202,7 @@ CONSUMERS = {
     "accounting-silos": subjects.EVENTS_STREAM,
     "accounting-projects": subjects.EVENTS_STREAM,
     "recovery-instances": subjects.EVENTS_STREAM,
+    "recovery-instances-v2": subjects.EVENTS_STREAM,
     "recovery-inventory": subjects.SLED_REPORT_STREAM,
     "recovery-sleds": subjects.EVENTS_STREAM,
 }

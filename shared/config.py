@@ -65,6 +65,24 @@ Delay = Annotated[float, BeforeValidator(lambda v: _seconds(v, zero=True)), Fiel
 """Like `Duration`, zero allowed (no wait at all)."""
 
 
+_FLAGS = {
+    **dict.fromkeys(("1", "on", "true", "yes"), True),
+    **dict.fromkeys(("0", "off", "false", "no"), False),
+}
+
+
+def _flag(raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    if raw.strip().lower() not in _FLAGS:
+        raise ValueError("expected 1 or 0 (on/off, true/false, yes/no)")
+    return _FLAGS[raw.strip().lower()]
+
+
+Flag = Annotated[bool, BeforeValidator(_flag)]
+"""On or off: 1, on, true, yes or 0, off, false, no (any case)."""
+
+
 def _shapes(raw: Any) -> Any:
     if not isinstance(raw, str):
         return raw
@@ -129,7 +147,15 @@ class Settings(BaseSettings):
         "none",
         "`console`, `otlp` (standard `OTEL_EXPORTER_OTLP_*` settings), `file:PATH` (JSON lines)",
     )
-    faults: bool = _var(
+    event_v1: Flag = _var(
+        "RACKPLANE_EVENT_V1",
+        True,
+        "instance-manager: also send `rp.evt.instance.changed` v1 beside v2 (the deprecation window, while "
+        "readers that know only v1 may still be running; `0` or `off` sends v2 alone, see "
+        "[subjects.md](subjects.md#a-worked-example-rpevtinstancechanged-v2))",
+        shown="on",
+    )
+    faults: Flag = _var(
         "RACKPLANE_FAULTS",
         False,
         "`1`: the service answers fault injection (`rp.svc.<service>.faults`, from the test identity only)",
@@ -335,6 +361,10 @@ def duplicate_window() -> float:
 
 def ack_wait() -> float:
     return settings().ack_wait
+
+
+def event_v1() -> bool:
+    return settings().event_v1
 
 
 # --- the table in docs/architecture.md ---------------------------------------------------------------------

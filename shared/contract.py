@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +38,9 @@ class Channel:
     senders: tuple[str, ...]
     receivers: tuple[str, ...]
     description: str
+    versions: tuple[int, ...] = (1,)
+    """The schema versions that travel here. A request's channel takes every version (the envelope says
+    which); an event's later version has a channel, and a subject, of its own (`subjects.event`)."""
 
     @property
     def parameters(self) -> list[str]:
@@ -90,79 +93,106 @@ def _command(schema: str) -> Channel:
     )
 
 
+def versions() -> dict[str, tuple[int, ...]]:
+    """Every registered schema, with its versions in order."""
+    out: dict[str, list[int]] = {}
+    for schema, version in sorted(registry()):
+        out.setdefault(schema, []).append(version)
+    return {s: tuple(vs) for s, vs in out.items()}
+
+
 def channels() -> list[Channel]:
-    """Every channel, derived from the registered schemas (so a new schema cannot be left out)."""
+    """Every channel, derived from the registered schemas (so a new schema or version cannot be left out).
+
+    A request carries its version in the envelope and is answered `unsupported_version` by a server that
+    does not know it, so every version shares its subject. A stream message is read by consumers that
+    filter on subjects: each version of an event has its own, so that a reader of v1 never receives v2."""
     out: list[Channel] = []
-    for schema, _ in sorted(registry()):
-        if schema.startswith("rp.cmd."):
-            out.append(_command(schema))
-        elif schema.startswith("rp.sled.vmm.") and schema != "rp.sled.vmm.report":
-            verb = schema.removeprefix("rp.sled.")
-            out.append(
-                Channel(
-                    f"rp.sled.{{sled}}.cmd.{verb}",
-                    "stream",
-                    (schema,),
-                    ("instance-manager",),
-                    ("sled-agent",),
-                    f"a command to one sled: {verb} (stream {subjects.SLED_CMD_STREAM})",
-                )
-            )
-        elif schema in ("rp.sled.vmm.report", "rp.sled.inventory"):
-            kind = "vmm" if schema == "rp.sled.vmm.report" else "inventory"
-            readers = ("instance-manager",) if kind == "vmm" else ("instance-manager", "recovery")
-            out.append(
-                Channel(
-                    f"rp.sled.{{sled}}.report.{kind}",
-                    "stream",
-                    (schema,),
-                    ("sled-agent",),
-                    readers,
-                    f"a sled's {kind} report (stream {subjects.SLED_REPORT_STREAM})",
-                )
-            )
-        elif schema == "rp.acct.delta":
-            out.append(
-                Channel(
-                    "rp.acct.delta.{silo}.{project}.{instance}",
-                    "stream",
-                    (schema,),
-                    ("instance-manager",),
-                    ("accounting",),
-                    f"a provisioning delta (stream {subjects.PROVISION_STREAM}, by partition of instance)",
-                )
-            )
+    for schema, vs in versions().items():
+        ch = replace(_channel(schema), versions=vs)
+        if ch.kind == "request":
+            out.append(ch)
         elif schema.startswith("rp.evt."):
-            resource, what = schema.removeprefix("rp.evt.").split(".")
-            silo = "_fleet" if resource == "sled" else "{silo}"
-            senders, receivers = EVENTS[schema]
-            out.append(
-                Channel(
-                    f"rp.evt.{silo}.{resource}.{what}",
-                    "stream",
-                    (schema,),
-                    senders,
-                    receivers,
-                    f"event: {resource} {what} (stream {subjects.EVENTS_STREAM}; anyone may follow it)",
-                )
-            )
-        elif schema.startswith("rp.sim."):
-            out.append(Channel(schema, "request", (schema,), OPERATORS, ("sled-agent",), "simulator control"))
-        elif schema.startswith("rp.svc."):
-            what = schema.removeprefix("rp.svc.")
-            out.append(
-                Channel(
-                    f"rp.svc.{{service}}.{what}",
-                    "request",
-                    (schema,),
-                    OPERATORS,
-                    subjects.SERVICES,
-                    f"a service's {what}",
-                )
+            out += [
+                replace(ch, address=_versioned(ch.address, v), versions=(v,), description=_described(ch, v))
+                for v in vs
+            ]
+        elif vs != (1,):
+            raise ValueError(
+                f"schema {schema} v{vs[-1]} needs a subject of its own: add it to shared/contract.py"
             )
         else:
-            raise ValueError(f"schema {schema} has no channel: add it to shared/contract.py")
+            out.append(ch)
     return out
+
+
+def _versioned(address: str, version: int) -> str:
+    return address if version == 1 else f"{address}.v{version}"
+
+
+def _described(ch: Channel, version: int) -> str:
+    return ch.description if version == 1 else f"{ch.description}; version {version}"
+
+
+def _channel(schema: str) -> Channel:
+    """The channel of one schema, at its first version."""
+    if schema.startswith("rp.cmd."):
+        return _command(schema)
+    if schema.startswith("rp.sled.vmm.") and schema != "rp.sled.vmm.report":
+        verb = schema.removeprefix("rp.sled.")
+        return Channel(
+            f"rp.sled.{{sled}}.cmd.{verb}",
+            "stream",
+            (schema,),
+            ("instance-manager",),
+            ("sled-agent",),
+            f"a command to one sled: {verb} (stream {subjects.SLED_CMD_STREAM})",
+        )
+    if schema in ("rp.sled.vmm.report", "rp.sled.inventory"):
+        kind = "vmm" if schema == "rp.sled.vmm.report" else "inventory"
+        readers = ("instance-manager",) if kind == "vmm" else ("instance-manager", "recovery")
+        return Channel(
+            f"rp.sled.{{sled}}.report.{kind}",
+            "stream",
+            (schema,),
+            ("sled-agent",),
+            readers,
+            f"a sled's {kind} report (stream {subjects.SLED_REPORT_STREAM})",
+        )
+    if schema == "rp.acct.delta":
+        return Channel(
+            "rp.acct.delta.{silo}.{project}.{instance}",
+            "stream",
+            (schema,),
+            ("instance-manager",),
+            ("accounting",),
+            f"a provisioning delta (stream {subjects.PROVISION_STREAM}, by partition of instance)",
+        )
+    if schema.startswith("rp.evt."):
+        resource, what = schema.removeprefix("rp.evt.").split(".")
+        silo = "_fleet" if resource == "sled" else "{silo}"
+        senders, receivers = EVENTS[schema]
+        return Channel(
+            f"rp.evt.{silo}.{resource}.{what}",
+            "stream",
+            (schema,),
+            senders,
+            receivers,
+            f"event: {resource} {what} (stream {subjects.EVENTS_STREAM}; anyone may follow it)",
+        )
+    if schema.startswith("rp.sim."):
+        return Channel(schema, "request", (schema,), OPERATORS, ("sled-agent",), "simulator control")
+    if schema.startswith("rp.svc."):
+        what = schema.removeprefix("rp.svc.")
+        return Channel(
+            f"rp.svc.{{service}}.{what}",
+            "request",
+            (schema,),
+            OPERATORS,
+            subjects.SERVICES,
+            f"a service's {what}",
+        )
+    raise ValueError(f"schema {schema} has no channel: add it to shared/contract.py")
 
 
 # --- JSON Schema --------------------------------------------------------------------------------------
@@ -287,13 +317,10 @@ def asyncapi() -> dict[str, Any]:
             },
             "payload": {"$ref": f"schemas/{schema_file(schema, version)}"},
         }
-    versions: dict[str, list[int]] = {}
-    for schema, version in registry():
-        versions.setdefault(schema, []).append(version)
     for ch in channels():
         name = _name(ch.address)
         refs = {
-            f"{s}.v{v}": {"$ref": f"#/components/messages/{s}.v{v}"} for s in ch.schemas for v in versions[s]
+            f"{s}.v{v}": {"$ref": f"#/components/messages/{s}.v{v}"} for s in ch.schemas for v in ch.versions
         }
         chans[name] = {
             "address": ch.address,

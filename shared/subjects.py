@@ -79,9 +79,12 @@ def delta_durable(partition: int | str) -> str:
     return f"accounting-deltas-{partition}"
 
 
-def event(silo: str | None, resource: str, what: str) -> str:
-    """Durable event anyone may follow: `rp.evt.<silo|_fleet>.<resource>.<what>`."""
-    return f"rp.evt.{silo or FLEET}.{resource}.{what}"
+def event(silo: str | None, resource: str, what: str, version: int = 1) -> str:
+    """Durable event anyone may follow: `rp.evt.<silo|_fleet>.<resource>.<what>`, and for a later version
+    of its schema `rp.evt.<silo|_fleet>.<resource>.<what>.v<version>`: each version on a subject of its
+    own, so that a reader filtering on the subject it knows never receives a version it cannot read."""
+    base = f"rp.evt.{silo or FLEET}.{resource}.{what}"
+    return base if version == 1 else f"{base}.v{version}"
 
 
 def dead_letter(service: str, consumer: str) -> str:

@@ -62,7 +62,7 @@ def test_defaults_and_values(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         ("RACKPLANE_VMM_START_DELAY", "-1", "expected seconds or a duration"),
         ("RACKPLANE_SLEDS", "eight", "valid integer"),
         ("RACKPLANE_SLED_SHAPES", "64:256:1", "expected VCPUS:RAM_GIB pairs"),
-        ("RACKPLANE_FAULTS", "perhaps", "valid boolean"),
+        ("RACKPLANE_FAULTS", "perhaps", "expected 1 or 0 (on/off, true/false, yes/no)"),
         ("RACKPLANE_LOG", "loud", "expected DEBUG, INFO"),
         ("RACKPLANE_TRACES", "jaeger", "expected none, console, otlp or file:PATH"),
         ("DATABASE_URL_FILE", "/nonexistent/db.url", "cannot read it"),

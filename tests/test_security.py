@@ -51,7 +51,8 @@ SUBJECTS = [
     "rp.sled.sled-3.report.inventory", "rp.sled.sled-4.report.vmm",
     # accounting, events, dead letters
     "rp.acct.delta.acme.web.i-1", "rp.acct.part.0.acme.web.i-1", "rp.evt.acme.instance.changed",
-    "rp.evt.other.instance.changed", "rp.evt.acme.provision.outcome", "rp.evt.acme.usage.changed",
+    "rp.evt.acme.instance.changed.v2", "rp.evt.other.instance.changed", "rp.evt.acme.provision.outcome",
+    "rp.evt.acme.usage.changed",
     "rp.evt._fleet.sled.changed", "rp.evt.acme.silo.created", "rp.dlq.accounting.accounting-deltas",
     "rp.dlq.sled-agent.sled-agent-sled-3",
     "rp.dlq.sled-agent.sled-agent-sled-4",
@@ -188,6 +189,8 @@ def test_the_grants_that_matter() -> None:
     assert publishers("rp.acct.part.0.acme.web.i-1") == nobody  # what the stream stores: no one sends it
     assert publishers("rp.sled.sled-4.cmd.vmm.destroy") == {"instance-manager"}
     assert publishers("rp.evt.acme.provision.outcome") == {"accounting"}
+    assert publishers("rp.evt.acme.instance.changed") == {"instance-manager"}
+    assert publishers("rp.evt.acme.instance.changed.v2") == {"instance-manager"}
     assert publishers("rp.sled.sled-3.report.vmm") == {"sled-3"}
     assert publishers("rp.sled.sled-4.report.vmm") == nobody
     for order in (

@@ -21,13 +21,15 @@ def version_info() -> dict[str, Any]:
         version = importlib.metadata.version(PACKAGE)
     except importlib.metadata.PackageNotFoundError:
         version = "unknown (not installed)"
-    schemas = {f"{schema}": v for schema, v in sorted(registry())}
+    schemas: dict[str, list[int]] = {}
+    for schema, v in sorted(registry()):
+        schemas.setdefault(schema, []).append(v)
     return {"version": version, "commit": _commit(), "schemas": schemas}
 
 
 def version_text(info: dict[str, Any] | None = None) -> str:
     info = info or version_info()
-    by_version = collections.Counter(info["schemas"].values())
+    by_version = collections.Counter(v for versions in info["schemas"].values() for v in versions)
     versions = ", ".join(f"v{v}: {n}" for v, n in sorted(by_version.items()))
     commit = f" (git {info['commit']})" if info["commit"] else ""
     return f"rackctl {info['version']}{commit}\nmessage schemas: {len(info['schemas'])} ({versions})"

@@ -16,9 +16,17 @@ from nats.js import JetStreamContext
 
 from services.instance_manager.saga import Executor
 from shared import bus, subjects, telemetry
-from shared.config import restart_backoff_max, restart_cooldown, sled_unknown_after
-from shared.db import OutboxRelay, enqueue, queries
-from shared.messages import InstanceChanged, InstanceView, ProvisionDelta, ProvisionOutcome
+from shared.config import event_v1, restart_backoff_max, restart_cooldown, sled_unknown_after
+from shared.db import OutboxRelay, enqueue, enqueue_many, queries
+from shared.messages import (
+    InstanceChanged,
+    InstanceChangedV2,
+    InstanceView,
+    InstanceViewV2,
+    Model,
+    ProvisionDelta,
+    ProvisionOutcome,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,9 @@ class App:
     charge_timeout: float = 2.0
     listening_since: float = field(default_factory=time.monotonic)
     """When this process began to read the sleds' inventories (monotonic clock)."""
+    send_v1: bool = field(default_factory=event_v1)
+    """Whether instance events go out as v1 too (RACKPLANE_EVENT_V1): read once, so a bad value stops the
+    process at start."""
     _waiters: dict[tuple[uuid.UUID, int], asyncio.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -68,13 +79,7 @@ class App:
     async def instance_changed(self, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
         """Publish the instance as it now is, once the caller's transaction commits."""
         v = await self.view(conn, instance_id)
-        await enqueue(
-            conn,
-            subjects.event(v.silo, "instance", "changed"),
-            InstanceChanged(instance=v),
-            source=SOURCE,
-            key=f"instance:{v.id}:{v.generation}",
-        )
+        await enqueue_many(conn, instance_events(v, v1=self.send_v1), source=SOURCE)
         self.relay.kick()
         return v
 
@@ -165,6 +170,29 @@ class App:
                 return
         if (ev := self._waiters.get((outcome.instance_id, outcome.generation))) is not None:
             ev.set()
+
+
+def instance_events(v: InstanceView, *, v1: bool) -> list[tuple[str, Model, str | None]]:
+    """What one change of an instance sends, as (subject, body, key): `rp.evt.instance.changed` v2 on its
+    own subject, and v1 beside it while `v1` holds (the deprecation window, docs/subjects.md "Versions").
+    Both are written to the outbox in the caller's transaction, so a reader gets both or neither; one
+    that reads both finds the second a no-op (the same generation)."""
+    events: list[tuple[str, Model, str | None]] = [
+        (
+            subjects.event(v.silo, "instance", "changed", version=2),
+            InstanceChangedV2(instance=InstanceViewV2.model_validate(v.model_dump())),
+            f"instance:{v.id}:{v.generation}:v2",
+        )
+    ]
+    if v1:
+        events.append(
+            (
+                subjects.event(v.silo, "instance", "changed"),
+                InstanceChanged(instance=v),
+                f"instance:{v.id}:{v.generation}",
+            )
+        )
+    return events
 
 
 def instance_reply(v: InstanceView) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 from services.recovery.reconcile import SOURCE, Q, Reconciler
 from shared import bus, subjects, telemetry
 from shared.config import Settings
-from shared.messages import Envelope, InstanceChanged, SledChanged, SledInventory
+from shared.messages import Envelope, InstanceChanged, InstanceChangedV2, SledChanged, SledInventory
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,9 @@ async def main(settings: Settings) -> None:
     nc, js = await connect_bus(settings, SOURCE)
     reconciler = Reconciler(pool, nc, settings.database_url)
 
-    async def on_instance(env: Envelope, e: InstanceChanged, msg: Msg) -> None:
+    async def on_instance(env: Envelope, e: InstanceChanged | InstanceChangedV2, msg: Msg) -> None:
+        """Both versions of the event, one handler: while producers send both, the second copy of a change
+        is at the generation already held, and the fence makes it a no-op."""
         i = e.instance
         await pool.execute(
             Q["instance_upsert"], i.id, i.silo, i.project, i.name, i.state.value, i.generation,
@@ -69,6 +71,11 @@ async def main(settings: Settings) -> None:
             js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-instances",
             filter_subject=subjects.event("*", "instance", "changed"), handler=on_instance,
             expect=InstanceChanged,
+        ).run(),
+        bus.Consumer(
+            js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-instances-v2",
+            filter_subject=subjects.event("*", "instance", "changed", version=2), handler=on_instance,
+            expect=InstanceChangedV2,
         ).run(),
         bus.Consumer(
             js, **{**common, "verify": subjects.sled_claim_error}, stream=subjects.SLED_REPORT_STREAM,

@@ -89,6 +89,7 @@ from shared.messages.instances import (
     CHARGED_STATES,
     AutoRestart,
     InstanceChanged,
+    InstanceChangedV2,
     InstanceCreate,
     InstanceDelete,
     InstanceList,
@@ -99,6 +100,7 @@ from shared.messages.instances import (
     InstanceState,
     InstanceStop,
     InstanceView,
+    InstanceViewV2,
 )
 from shared.messages.orders import (
     InstanceRestart,
@@ -200,6 +202,7 @@ __all__ = [
     "HoldAcksFault",
     "HoldSeconds",
     "InstanceChanged",
+    "InstanceChangedV2",
     "InstanceCreate",
     "InstanceDelete",
     "InstanceList",
@@ -214,6 +217,7 @@ __all__ = [
     "InstanceStop",
     "InstanceVcpus",
     "InstanceView",
+    "InstanceViewV2",
     "InventoryVmm",
     "MigrationSource",
     "Model",

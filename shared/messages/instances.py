@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from shared.messages.base import DiskBytes, Event, Model, Name, RamBytes, Vcpus, message
+from shared.messages.base import BootNumber, DiskBytes, Event, Model, Name, RamBytes, Vcpus, message
 from shared.messages.paging import Paged
 
 
@@ -82,6 +82,33 @@ class InstanceView(Event):
 @message("rp.evt.instance.changed")
 class InstanceChanged(Event):
     instance: InstanceView
+
+
+class InstanceViewV2(InstanceView):
+    """The instance view of `rp.evt.instance.changed` v2: the boots its VMMs were placed on are always
+    there. A VMM cannot outlive the boot of its sled it was placed on, and that is how recovery tells a
+    VMM lost in a reboot; with v1's optional boot numbers, a message without them was read as "no boot
+    known" and the lost VMM was never found. v2 refuses such a message instead."""
+
+    vmm_boot_number: BootNumber | None
+    """Required; null only without a VMM placed on a sled (`sled_id` null)."""
+    target_vmm_boot_number: BootNumber | None
+    """Required; null only without a migration target placed on a sled (`target_sled_id` null)."""
+
+    @model_validator(mode="after")
+    def _placed_on_a_boot(self) -> InstanceViewV2:
+        if self.sled_id is not None and self.vmm_boot_number is None:
+            raise ValueError("vmm_boot_number is required with a sled_id")
+        if self.target_sled_id is not None and self.target_vmm_boot_number is None:
+            raise ValueError("target_vmm_boot_number is required with a target_sled_id")
+        return self
+
+
+@message("rp.evt.instance.changed", 2)
+class InstanceChangedV2(Event):
+    """An instance changed (v2): as v1, with the boot numbers of its VMMs required."""
+
+    instance: InstanceViewV2
 
 
 class InstanceRef(Model):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from deploy.stack import SERVICES, Stack
+from deploy.stack import Stack
 from rackctl.check import check_each
 from rackctl.client import Client
 from shared.bus import CommandError
@@ -308,12 +308,15 @@ class Scenario:
                         self._seen[service, name] = n
 
     async def op_kill(self, rng: random.Random) -> str:
-        name = rng.choice(SERVICES)
+        """kill -9 of any service process (a replica, one at another release's code, included), started
+        again a moment later from the same tree."""
+        name = rng.choice(list(self.stack.services))
         async with self._infra:
-            self.stack.services[name].kill()
+            svc = self.stack.services[name]
+            svc.kill()
             self.report.faults["kill -9"] += 1
             await asyncio.sleep(rng.uniform(0.2, 2))
-            self.stack.start_service(name)
+            svc.start()
         return name
 
     async def op_kill_broker(self, rng: random.Random) -> str:
@@ -362,9 +365,9 @@ class Scenario:
 
     async def quiesce(self, settle_for: float = 120) -> None:
         """Lift every fault, let the system settle, then check every invariant."""
-        for name, svc in self.stack.services.items():
+        for svc in self.stack.services.values():
             if not svc.alive:
-                self.stack.start_service(name)
+                svc.start()
         await asyncio.to_thread(self.stack.wait_ready)
         await self.client.clear_faults()
         for sled in await self.client.sim_sled("list"):

@@ -1,0 +1,148 @@
+"""Versions that evolve (docs/subjects.md, "Versions"): `rp.evt.instance.changed` v2 goes out beside v1
+for the deprecation window, a reader of either sees every change, v1 can be turned off, and a recovery of
+the release before v2, reading v1 alone, still repairs what a reboot broke."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import nats.errors
+import pytest
+
+from rackctl.client import Client
+from shared import subjects
+from shared.config import ConfigError, Settings
+from shared.messages import AutoRestart, InstanceChanged, InstanceChangedV2, decode
+from tests import release
+from tests.conftest import (
+    GiB,
+    assert_invariants,
+    eventually,
+    private_rack,
+    unique,
+    wait_state,
+)
+
+
+async def changes(client: Client, subject: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """Every instance change on `subject` the stream holds: (instance, generation) -> the view."""
+    expect = InstanceChangedV2 if subject.endswith(".v2") else InstanceChanged
+    sub = await client.nc.jetstream().subscribe(subject, ordered_consumer=True)
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                return out
+            _, event = decode(msg.data, expect)
+            assert isinstance(event, expect)
+            out[str(event.instance.id), event.instance.generation] = event.instance.model_dump(mode="json")
+    finally:
+        await sub.unsubscribe()
+
+
+async def lifecycle(client: Client, silo: str, proj: str, name: str) -> None:
+    """One instance through create, start, stop and delete: a change of generation at every step."""
+    await client.instance_create(silo, proj, name, vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+    await client.instance("start", silo, proj, name)
+    await wait_state(client, silo, proj, name, "running")
+    await client.instance("stop", silo, proj, name)
+    await wait_state(client, silo, proj, name, "stopped")
+    await client.instance("delete", silo, proj, name)
+
+
+async def test_every_change_reaches_a_v1_reader_and_a_v2_reader_alike(
+    client: Client, project: tuple[str, str]
+) -> None:
+    """While RACKPLANE_EVENT_V1 is on (the default), each change goes out as v1 and as v2, saying the same."""
+    silo, proj = project
+    await lifecycle(client, silo, proj, "vm")
+
+    async def both() -> tuple[dict[Any, Any], dict[Any, Any]] | None:
+        v1 = await changes(client, subjects.event(silo, "instance", "changed"))
+        v2 = await changes(client, subjects.event(silo, "instance", "changed", version=2))
+        final = any(view["state"] == "destroyed" for view in v2.values())
+        return (v1, v2) if final and v1.keys() == v2.keys() else None
+
+    v1, v2 = await eventually(both)
+    assert len(v1) >= 5, sorted(v1)  # created, starting, placed, running, stopping, stopped, destroyed...
+    assert v1 == v2
+
+
+async def test_with_v1_turned_off_only_v2_is_sent() -> None:
+    async with private_rack("v2-only", RACKPLANE_SLEDS="2", RACKPLANE_EVENT_V1="0") as (_, client, db):
+        silo, proj = unique("silo"), unique("proj")
+        await client.silo_create(silo)
+        await client.project_create(silo, proj)
+        await lifecycle(client, silo, proj, "vm")
+
+        async def destroyed() -> dict[Any, Any] | None:
+            v2 = await changes(client, subjects.event(silo, "instance", "changed", version=2))
+            return v2 if any(view["state"] == "destroyed" for view in v2.values()) else None
+
+        assert len(await eventually(destroyed)) >= 5
+        assert await changes(client, subjects.event(silo, "instance", "changed")) == {}
+        await assert_invariants(db)
+
+
+def test_the_window_setting_takes_on_and_off_and_names_itself_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RACKPLANE_EVENT_V1", raising=False)
+    assert Settings.from_env().event_v1 is True  # the deprecation window is open by default
+    for value, expected in (("0", False), ("off", False), ("No", False), ("1", True), ("true", True)):
+        monkeypatch.setenv("RACKPLANE_EVENT_V1", value)
+        assert Settings.from_env().event_v1 is expected
+    monkeypatch.setenv("RACKPLANE_EVENT_V1", "maybe")
+    with pytest.raises(ConfigError, match=r"^RACKPLANE_EVENT_V1='maybe': expected 1 or 0"):
+        Settings.from_env()
+
+
+async def test_a_recovery_at_the_release_before_v2_still_gets_every_event_and_repairs_a_reboot() -> None:
+    """Today's instance-manager, with v1 on, beside a recovery of the release before v2 (which reads
+    `recovery-instances`, v1, alone): its picture keeps up with every instance, and it fails and restarts
+    the instances a sled's reboot took away."""
+    with release.checkout() as old:
+        async with private_rack("v1-reader", RACKPLANE_SLEDS="1") as (stack, client, db):
+            stack.services.pop("recovery").stop()  # today's recovery away: the old one alone reads
+            stack.start_service("recovery", replica="recovery-old", root=old)
+            stack.wait_ready(("recovery",))
+            silo, proj = unique("silo"), unique("proj")
+            await client.silo_create(silo)
+            await client.project_create(silo, proj)
+            names = [f"vm-{i}" for i in range(4)]
+            for n in names:
+                await client.instance_create(
+                    silo,
+                    proj,
+                    n,
+                    vcpus=1,
+                    ram_bytes=GiB,
+                    disk_bytes=GiB,
+                    auto_restart=AutoRestart.best_effort,
+                )
+                await client.instance("start", silo, proj, n)
+            for n in names:
+                await wait_state(client, silo, proj, n, "running")
+            await client.sim_sled("reboot", "sled-0")
+
+            async def all_back() -> bool:
+                now = {i["name"]: i for i in await client.instance_list(silo, proj)}
+                return all(now[n]["state"] == "running" and now[n]["auto_restarts"] >= 1 for n in names)
+
+            await eventually(all_back, timeout=40)
+
+            async def caught_up() -> bool:
+                """Recovery's picture is at every instance's generation: it got every change, on v1."""
+                behind = await db.fetch(
+                    "SELECT i.id FROM instance_manager.instances i LEFT JOIN recovery.instances r USING (id) "
+                    "WHERE r.generation IS DISTINCT FROM i.generation"
+                )
+                return not behind
+
+            await eventually(caught_up)
+            v2 = await client.nc.jetstream().consumer_info(subjects.EVENTS_STREAM, "recovery-instances-v2")
+            assert v2.num_pending > 0  # left unread: the old recovery did all of it on v1
+            assert stack.services["recovery-old"].alive
+            await assert_invariants(db)
