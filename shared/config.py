@@ -111,10 +111,11 @@ def _level(raw: str) -> str:
     raise ValueError("expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
 
 
-def _var(name: str, default: Any, about: str, shown: str | None = None) -> Any:
-    """A field read from the variable `name`; `shown` is the default as the docs' table shows it."""
+def _var(name: str, default: Any, about: str, shown: str | None = None, **bounds: Any) -> Any:
+    """A field read from the variable `name`; `shown` is the default as the docs' table shows it, and
+    `bounds` are pydantic's (ge=0...)."""
     extra = {"shown_default": shown} if shown is not None else None
-    return Field(default, validation_alias=name, description=about, json_schema_extra=extra)
+    return Field(default, validation_alias=name, description=about, json_schema_extra=extra, **bounds)
 
 
 class Settings(BaseSettings):
@@ -188,13 +189,9 @@ class Settings(BaseSettings):
         None,
         "the sled agent: the folder of the sleds' seeds (`sled-<n>.nk`), one connection per sled",
     )
-    sleds: int = Field(8, ge=0, validation_alias="RACKPLANE_SLEDS", description="simulated sleds")
-    sled_vcpus: int = Field(
-        64, gt=0, validation_alias="RACKPLANE_SLED_VCPUS", description="each simulated sled's vCPUs"
-    )
-    sled_ram_gib: int = Field(
-        256, gt=0, validation_alias="RACKPLANE_SLED_RAM_GIB", description="each simulated sled's RAM, GiB"
-    )
+    sleds: int = _var("RACKPLANE_SLEDS", 8, "simulated sleds", ge=0)
+    sled_vcpus: int = _var("RACKPLANE_SLED_VCPUS", 64, "each simulated sled's vCPUs", gt=0)
+    sled_ram_gib: int = _var("RACKPLANE_SLED_RAM_GIB", 256, "each simulated sled's RAM, GiB", gt=0)
     sled_shapes: Annotated[list[tuple[int, int]] | None, NoDecode, BeforeValidator(_shapes)] = _var(
         "RACKPLANE_SLED_SHAPES",
         None,

@@ -185,6 +185,12 @@ async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path, lock_timeout: fl
             await conn.execute(f'SET ROLE "{owner}"')
         await conn.execute("SELECT set_config('lock_timeout', $1, false)", f"{round(lock_timeout * 1000)}ms")
         try:
+            if not await conn.fetchval(_MAY_CREATE, schema):
+                raise MigrationError(
+                    f"schema {schema}: {await conn.fetchval('SELECT current_user')} may not create in it: "
+                    "migrate it with its own service's login (a member of its owner role) or an "
+                    "administrator's"
+                )
             await conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations "
                 "(name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now(), checksum text)"
@@ -224,6 +230,10 @@ async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path, lock_timeout: fl
     return applied_now
 
 
+_MAY_CREATE = (
+    "SELECT CASE WHEN to_regnamespace($1::text) IS NULL THEN false "
+    "ELSE has_schema_privilege($1::text, 'CREATE') END"
+)
 _HAS_CHECKSUM = (
     "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'schema_migrations'::regclass "
     "AND attname = 'checksum' AND NOT attisdropped)"

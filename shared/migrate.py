@@ -41,7 +41,10 @@ async def status(url: str, schemas: tuple[str, ...] = SCHEMAS) -> dict[str, list
         out = {}
         for schema in schemas:
             await conn.execute("SELECT set_config('search_path', $1, false)", schema)
-            out[schema] = await db.migration_states(conn, migrations_dir(schema))
+            try:
+                out[schema] = await db.migration_states(conn, migrations_dir(schema))
+            except asyncpg.InsufficientPrivilegeError as e:
+                raise db.MigrationError(f"schema {schema}: {e} (this login cannot read it)") from None
         return out
     finally:
         await conn.close()

@@ -193,6 +193,12 @@ def test_a_deployment_migrates_once_and_its_services_only_check(pg: tuple[Postgr
         assert applied.stdout.startswith(f"{schema}: applied shared/001_outbox.sql, {schema}/001_initial.sql")
     again = run(["-m", "shared.migrate", "recovery"], logins["recovery"])
     assert again.stdout == "recovery: current, nothing to apply\n"
+    elsewhere = run(["-m", "shared.migrate", "accounting"], logins["recovery"])
+    assert elsewhere.returncode == 1
+    assert elsewhere.stderr == (
+        "migrate: error: schema accounting: recovery may not create in it: migrate it with its own service's "
+        "login (a member of its owner role) or an administrator's\n"
+    )
 
     # Now every schema is current: the read-only login says so, with every file and its checksum.
     status = run(["-m", "shared.migrate", "--status", "--json"], logins["check"])
