@@ -12,16 +12,16 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 
 from shared import bus, subjects
-from shared.config import Settings, settings
+from shared.config import Settings
 
 
 class NoCredential(Exception):
     pass
 
 
-def seed_file(sled_id: str) -> Path | None:
-    """The sled's credential, or None when the broker asks for none (no RACKPLANE_SLED_NKEYS)."""
-    folder = settings().sled_nkeys
+def seed_file(sled_id: str, folder: Path | None) -> Path | None:
+    """The sled's credential in `folder` (RACKPLANE_SLED_NKEYS), or None when the broker asks for none (no
+    folder)."""
     if folder is None:
         return None
     path = folder / f"{sled_id}.nk"
@@ -34,7 +34,7 @@ def seed_file(sled_id: str) -> Path | None:
 
 
 async def connect(settings: Settings, sled_id: str) -> NATS:
-    seed = seed_file(sled_id)
+    seed = seed_file(sled_id, settings.sled_nkeys)
     return await bus.connect(
         settings.nats_url,
         f"sled-agent/{sled_id}",
