@@ -196,6 +196,8 @@ def _exit_error(message: str) -> NoReturn:
 def _setup_logging() -> None:
     level = os.environ.get("RACKCTL_LOG")
     if level:
+        if level.upper() not in logging.getLevelNamesMapping():
+            _exit_error(f"RACKCTL_LOG={level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
         logging.basicConfig(level=level.upper(), format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
     else:  # without a handler, Python would print library warnings (nats reconnects) to stderr
         logging.getLogger().addHandler(logging.NullHandler())

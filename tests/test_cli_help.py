@@ -106,6 +106,21 @@ def test_completion_bash_sourced_in_bash_completes_a_command(tmp_path: Path) -> 
     assert replies == [["instance"], ["start", "stop"], ["zsh"], ["--wait"]], done.stdout
 
 
+def test_a_bad_log_level_is_one_line_naming_it() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "rackctl.main", "version"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "RACKCTL_LOG": "loud"},
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert (
+        done.stderr
+        == "rackctl: error: RACKCTL_LOG='loud': expected DEBUG, INFO, WARNING, ERROR or CRITICAL\n"
+    )
+
+
 def test_completion_zsh_registers_with_compdef() -> None:
     done = rackctl("completion", "zsh")
     assert done.returncode == 0
