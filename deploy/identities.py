@@ -41,7 +41,16 @@ from shared.messages import NAME_PATTERN
 ACCOUNT = "RACKPLANE"
 SERVICES = ("instance-manager", "accounting", "recovery", "simulator")
 """Identities of the service processes (`simulator` is the sled-agent process's own connection)."""
-OPERATORS = ("stream-admin", "fleet-operator", "simulator-operator", "auditor", "console", "test")
+OPERATORS = (
+    "stream-admin",
+    "fleet-operator",
+    "simulator-operator",
+    "auditor",
+    "console",
+    "test",
+    "events-reader",
+    "dlq-admin",
+)
 DEFAULT_SLEDS = 32
 """Sled identities made up front: the simulator's sleds, and room for `rp.sim.sled.add`."""
 SLED_ID = re.compile(r"^sled-[0-9]{1,6}$")
@@ -174,12 +183,47 @@ def service_grants(name: str) -> Grants:
     raise ValueError(f"no service {name!r}")
 
 
+EVENTS_READER_DURABLE = "events-reader"
+"""The durable consumer of the `events-reader` identity (a third party's consumer: examples/)."""
+EVENTS_READER = Grants(publish=(JS_INFO,)) | consume(
+    subjects.EVENTS_STREAM, EVENTS_READER_DURABLE, subjects.event_pattern(None)
+)
+
+
+def durables_of(stream: str) -> tuple[str, ...]:
+    """Every durable consumer on `stream` that an identity here is granted: the services' and the events
+    reader's, read off their own grants (`consume`), so that a new durable is known here at once."""
+    prefix = f"$JS.API.CONSUMER.CREATE.{stream}."
+    grants = [service_grants(s) for s in SERVICES] + [EVENTS_READER]
+    names = (p[len(prefix) :].split(".")[0] for g in grants for p in g.publish if p.startswith(prefix))
+    return tuple(dict.fromkeys(names))
+
+
+def follow_events(filter_subject: str) -> Grants:
+    """Follow the events under `filter_subject` from any point, through short-lived consumers of one's own.
+
+    The consumer is named (`$JS.API.CONSUMER.CREATE.EVENTS.<name>.<filter>`: the server checks that the
+    filter of the subject is the config's), so the grant holds the reader to its filter. A create request
+    naming an existing consumer updates it, though, filter included: the durables of the services and of
+    the events reader are denied by name, so no follower can re-point or drain them."""
+    stream, api = subjects.EVENTS_STREAM, "$JS.API.CONSUMER"
+    durables = durables_of(stream)
+    return Grants(
+        publish=(JS_INFO, f"{api}.CREATE.{stream}.*.{filter_subject}", f"{api}.MSG.NEXT.{stream}.*"),
+        publish_deny=tuple(
+            deny
+            for d in durables
+            for deny in (f"{api}.CREATE.{stream}.{d}.>", f"{api}.MSG.NEXT.{stream}.{d}")
+        ),
+    )
+
+
 def silo_operator_grants(silo: str) -> Grants:
     return Grants(
         publish=(f"rp.cmd.{silo}.>",),
         publish_deny=RECOVERY_ORDERS,
         subscribe=(f"rp.evt.{silo}.>",),
-    )
+    ) | follow_events(subjects.event_pattern(silo))
 
 
 AUDITED_STREAMS = (
@@ -207,7 +251,7 @@ AUDITOR = Grants(
 )
 FLEET_OPERATOR = Grants(
     publish=("rp.cmd.*.>", subjects.stats("*")), publish_deny=RECOVERY_ORDERS, subscribe=("rp.evt.>",)
-)
+) | follow_events(subjects.event_pattern(None))
 SIMULATOR_OPERATOR = Grants(publish=(subjects.sim_control(">"),))
 FAULT_INJECTOR = Grants(publish=(subjects.faults("*"),))
 STREAM_ADMIN = Grants(
@@ -239,6 +283,18 @@ TEST_CONSUMERS = Grants(
 )
 """Tests follow EVENTS and read deltas through durables of their own (a test identity only: operators never
 may)."""
+DLQ_ADMIN = Grants(
+    publish=(
+        JS_INFO,
+        f"$JS.API.STREAM.INFO.{subjects.DLQ_STREAM}",
+        f"$JS.API.STREAM.MSG.GET.{subjects.DLQ_STREAM}",
+        f"$JS.API.STREAM.MSG.DELETE.{subjects.DLQ_STREAM}",
+        *subjects.REPLAYABLE,
+    )
+)
+"""Reads, replays and deletes dead letters. Replaying publishes on every subject a dead letter can come
+from (`subjects.REPLAYABLE`: every stream's but the DLQ's), so this identity can say what any sled or
+service says: it is for the operator on call, kept apart from the console's (docs/operations.md)."""
 NEVER = ("$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")
 """Denied to every identity: streams are created and updated by deploy, and never deleted or purged."""
 
@@ -252,6 +308,8 @@ def operator_grants(name: str) -> Grants:
         "auditor": AUDITOR,
         "console": console,
         "test": console | FAULT_INJECTOR | TEST_CONSUMERS,
+        "events-reader": EVENTS_READER,
+        "dlq-admin": DLQ_ADMIN,
     }[name]
 
 

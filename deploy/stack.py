@@ -514,6 +514,9 @@ def main() -> None:
             # rackctl's default context: the console identity (fleet and simulator operator, auditor),
             # or with fault injection on, the test identity, the one the services take faults from
             context = stack.security.write_context("default", "test" if faults else "console", stack.nats_url)
+            # and one for each identity an operator picks by name: replaying dead letters, reading events
+            for name in ("dlq-admin", "events-reader"):
+                stack.security.write_context(name, name, stack.nats_url)
         print(f"rackplane is running (state and logs in {args.dir})")
         print(f"  NATS      {stack.nats_url}{'' if stack.nats else '  (from NATS_URL)'}")
         if stack.postgres:
@@ -525,6 +528,7 @@ def main() -> None:
             print(f"  {name:<17} pid {svc.proc.pid if svc.proc else '-'}, log {svc.log_path}")
         if stack.security:
             print(f"  rackctl   context {context} ({'test' if faults else 'console'} identity)")
+            print("            contexts dlq-admin (rackctl --context dlq-admin dlq replay) and events-reader")
             print(f"  Identities and credentials in {stack.security.store.dir}")
         print(
             "  Fault injection", "ON (RACKPLANE_FAULTS=1)" if faults else "off (make run FAULTS=1 enables it)"

@@ -19,7 +19,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from rackctl import audit
+from rackctl import audit, dlq
 from shared import subjects
 from shared.config import transition_timeout
 from shared.messages import (
@@ -452,6 +452,27 @@ async def no_wrongful_kills(conn: asyncpg.Connection, boots: dict[str, list[dict
                 f"{r['sled_id']}, which had not ended (wrongful kill)"
             )
     return out
+
+
+def recent_dead_letters(depth: dlq.Depth) -> list[str]:
+    """No dead letter younger than the alert threshold: each is a message a consumer gave up on, which
+    waits for an operator (`rackctl dlq`). Not an invariant of the rack, so `check` itself leaves it to
+    `rackctl check`, which says how young is too young."""
+    if not depth.recent or depth.newest is None:
+        return []
+    d = depth.newest
+    return [
+        f"{depth.recent} dead letter(s) newer than {_age(depth.within)} (of {depth.total} in the DLQ); the "
+        f"newest, {d.seq} at {d.time.isoformat()}: {d.service}/{d.consumer} on {d.subject}: {d.reason} "
+        "(rackctl dlq list)"
+    ]
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 BROKER_AT_REST = (

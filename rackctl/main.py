@@ -38,7 +38,7 @@ from rackctl.commands.base import (
 )
 from rackctl.commands.version import version_text
 from shared import bus, telemetry
-from shared.config import DEFAULT_NATS_URL
+from shared.config import DEFAULT_NATS_URL, ConfigError
 
 PROG = "rackctl"
 DEFAULT_TIMEOUT = 60.0
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except BrokenPipeError:  # stdout closed early (`rackctl ... | head`): not an error worth a line
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 1
-    except (bus.CommandError, Failure, ConnectionError) as e:
+    except (bus.CommandError, Failure, ConnectionError, ConfigError) as e:
         code = _report(str(e))
     except nats.errors.Error as e:
         code = _report(f"nats: {e}")

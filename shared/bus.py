@@ -22,7 +22,7 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -41,6 +41,7 @@ from shared.messages import BadMessage, Envelope, Model, Reply, decode, encode, 
 log = logging.getLogger(__name__)
 
 MSG_ID = "Nats-Msg-Id"
+T = TypeVar("T")
 
 
 class CommandError(Exception):
@@ -616,7 +617,14 @@ async def request(nc: NATS, subject: str, body: Model, *, source: str, timeout: 
     return reply.data
 
 
-async def _unless_denied(call: Awaitable[Msg], subject: str, denials: Denials) -> Msg:
+async def unless_denied(nc: NATS, subject: str, call: Awaitable[T]) -> T:
+    """`call`, a request sent on `subject` (a JetStream API call, say), or a `forbidden` CommandError as
+    soon as the broker says this client may not send there, instead of a timeout."""
+    denials = _DENIALS.get(nc)
+    return await call if denials is None else await _unless_denied(call, subject, denials)
+
+
+async def _unless_denied(call: Awaitable[T], subject: str, denials: Denials) -> T:
     """The reply, or a `forbidden` CommandError as soon as the broker says this client may not send there."""
     denied = denials.watch(subject)
     task = asyncio.ensure_future(call)

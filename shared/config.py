@@ -49,11 +49,16 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
 _DURATION_FORMS = "seconds or a duration such as 90s, 30m, 12h or 7d"
 
 
+def parse_duration(text: str) -> float:
+    """`text` in seconds: a number of seconds, or a duration such as 90s, 30m, 12h, 7d, 2w; -1 if neither."""
+    m = _DURATION.fullmatch(text.strip().lower())
+    return float(m[1]) * _UNITS[m[2] or "s"] if m else -1.0
+
+
 def _seconds(raw: Any, *, zero: bool) -> Any:
     if not isinstance(raw, str):
         return raw
-    m = _DURATION.fullmatch(raw.strip().lower())
-    seconds = float(m[1]) * _UNITS[m[2] or "s"] if m else -1.0
+    seconds = parse_duration(raw)
     if seconds < 0 or (seconds == 0 and not zero):
         raise ValueError(f"expected {'' if zero else 'positive '}{_DURATION_FORMS}")
     return seconds
@@ -305,10 +310,7 @@ def _one_line(e: ValidationError) -> str:
     msg = str(err["msg"]).removeprefix("Value error, ")
     if not err["loc"]:  # raised by a model validator, already naming its variable
         return msg
-    name = str(err["loc"][0])
-    field = Settings.model_fields.get(name)
-    if field is not None and isinstance(field.validation_alias, str):
-        name = field.validation_alias
+    name = str(err["loc"][0])  # the variable: every field is read by its alias
     if err["type"] == "literal_error":
         msg = msg.replace("Input should be", "expected")
     return f"{name}={err['input']!r}: {msg[0].lower()}{msg[1:]}"
@@ -362,6 +364,30 @@ def ack_wait() -> float:
 
 def event_v1() -> bool:
     return settings().event_v1
+
+
+class RackctlSettings(BaseSettings):
+    """What rackctl reads from the environment besides its context (rackctl/context.py) and NATS_URL."""
+
+    model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", populate_by_name=True)
+
+    dead_letter_alert: Duration = _var(
+        "RACKPLANE_DLQ_ALERT",
+        3600.0,
+        "`rackctl check` reports the dead letters younger than this",
+        shown="`1h`",
+    )
+
+    @classmethod
+    def from_env(cls) -> RackctlSettings:
+        try:
+            return cls()
+        except ValidationError as e:
+            raise ConfigError(_one_line(e)) from None
+
+
+def dead_letter_alert() -> float:
+    return RackctlSettings.from_env().dead_letter_alert
 
 
 # --- the table in docs/architecture.md ---------------------------------------------------------------------

@@ -87,8 +87,27 @@ def event(silo: str | None, resource: str, what: str, version: int = 1) -> str:
     return base if version == 1 else f"{base}.v{version}"
 
 
+def event_pattern(silo: str | None) -> str:
+    """Every event of one silo (`rp.evt.<silo>.>`), or with None every event (`rp.evt.>`)."""
+    return f"rp.evt.{silo}.>" if silo else "rp.evt.>"
+
+
 def dead_letter(service: str, consumer: str) -> str:
     return f"rp.dlq.{service}.{consumer}"
+
+
+REPLAYABLE = tuple(p for stream, pats in STREAMS.items() if stream != DLQ_STREAM for p in pats)
+"""Where a dead letter's message may be published again: every stream's subjects but the DLQ's."""
+
+
+def replay_subject(stored: str) -> str:
+    """The subject to publish a dead letter's message on, from the subject it was stored under
+    (`Rp-Dlq-Subject`): a delta is stored under its partition (`rp.acct.part.<n>.<silo>.<project>.
+    <instance>`), which no one may publish on, and is sent again as it was first sent."""
+    tokens = stored.split(".")
+    if tokens[:3] == ["rp", "acct", "part"] and len(tokens) == 7:
+        return provision_delta(*tokens[4:])
+    return stored
 
 
 def sim_control(verb: str) -> str:

@@ -79,6 +79,10 @@ SUBJECTS = [
     "$JS.API.CONSUMER.LIST.EVENTS", "$JS.API.CONSUMER.NAMES.EVENTS", "$JS.API.CONSUMER.PAUSE.EVENTS.x",
     "$JS.ACK.PROVISION.accounting-deltas-0.1.1.1.1.0", "$JS.ACK.SLED_CMD.sled-agent-sled-3.1.1.1.1.0",
     "$JS.ACK.SLED_CMD.sled-agent-sled-4.1.1.1.1.0", "$JS.FC.EVENTS.x",
+    "$JS.API.CONSUMER.CREATE.EVENTS.x.rp.evt.acme.>", "$JS.API.CONSUMER.CREATE.EVENTS.x.rp.evt.other.>",
+    "$JS.API.CONSUMER.CREATE.EVENTS.accounting-silos.rp.evt.acme.>", "$JS.API.CONSUMER.MSG.NEXT.EVENTS.x",
+    "$JS.API.CONSUMER.MSG.NEXT.EVENTS.accounting-silos", "$JS.API.STREAM.MSG.GET.DLQ",
+    "$JS.API.STREAM.MSG.DELETE.DLQ",
     # inboxes
     "_INBOX_test.x", "_INBOX_sled-3.x", "_INBOX_accounting.x",
 ]  # fmt: skip
@@ -185,14 +189,28 @@ def test_the_grants_that_matter() -> None:
         assert publishers(verb) == nobody
     assert publishers("$JS.API.STREAM.CREATE.PROBE") == {"stream-admin"}
     assert publishers("$JS.API.STREAM.UPDATE.PROBE") == {"stream-admin"}
-    assert publishers("rp.acct.delta.acme.web.i-1") == {"instance-manager"}
+    # what a stream carries: its one sender, and the dead-letter administrator, who replays dead letters
+    replay = "dlq-admin"
+    assert publishers("rp.acct.delta.acme.web.i-1") == {"instance-manager", replay}
     assert publishers("rp.acct.part.0.acme.web.i-1") == nobody  # what the stream stores: no one sends it
-    assert publishers("rp.sled.sled-4.cmd.vmm.destroy") == {"instance-manager"}
-    assert publishers("rp.evt.acme.provision.outcome") == {"accounting"}
-    assert publishers("rp.evt.acme.instance.changed") == {"instance-manager"}
-    assert publishers("rp.evt.acme.instance.changed.v2") == {"instance-manager"}
-    assert publishers("rp.sled.sled-3.report.vmm") == {"sled-3"}
-    assert publishers("rp.sled.sled-4.report.vmm") == nobody
+    assert publishers("rp.sled.sled-4.cmd.vmm.destroy") == {"instance-manager", replay}
+    assert publishers("rp.evt.acme.provision.outcome") == {"accounting", replay}
+    assert publishers("rp.evt.acme.instance.changed") == {"instance-manager", replay}
+    assert publishers("rp.evt.acme.instance.changed.v2") == {"instance-manager", replay}
+    assert publishers("rp.sled.sled-3.report.vmm") == {"sled-3", replay}
+    assert publishers("rp.sled.sled-4.report.vmm") == {replay}
+    assert publishers("$JS.API.STREAM.MSG.DELETE.DLQ") == {replay}
+    # following events: through consumers of one's own, held to one's filter, never a service's durable
+    followers = {"fleet-operator", "console", "test", "stream-admin"}
+    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.x.rp.evt.acme.>") == followers | {"silo-operator-acme"}
+    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.x.rp.evt.other.>") == followers
+    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.accounting-silos.rp.evt.acme.>") == {"stream-admin"}
+    assert publishers("$JS.API.CONSUMER.MSG.NEXT.EVENTS.accounting-silos") == {"accounting"}
+    assert publishers("$JS.API.CONSUMER.MSG.NEXT.EVENTS.events-reader") == {"events-reader"}
+    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.events-reader.rp.evt.>") == {
+        "events-reader",
+        "stream-admin",
+    }
     for order in (
         "rp.cmd._fleet.vmm.lost",
         "rp.cmd._fleet.vmm.stuck",

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from rackctl.commands.base import UsageError
 from rackctl.sizes import parse_size
+from shared.config import parse_duration
 from shared.messages import NAME_PATTERN
 
 _NAME = re.compile(NAME_PATTERN)
@@ -100,6 +101,16 @@ def seconds(text: str) -> float:
         value = -1.0
     if not 0 < value < 1e6:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}: expected a positive number of seconds")
+    return value
+
+
+def ago(text: str) -> float:
+    """How long ago, in seconds: `90s`, `30m`, `12h`, `7d`, `2w`, or a number of seconds (above 0)."""
+    value = parse_duration(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"invalid length of time {text!r}: expected seconds or a duration such as 90s, 30m, 12h or 7d"
+        )
     return value
 
 

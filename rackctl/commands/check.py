@@ -13,10 +13,12 @@ import asyncpg
 from nats.js import JetStreamContext
 
 from rackctl import check as checker
-from rackctl.commands.args import json_flag
+from rackctl import dlq
+from rackctl.commands.args import duration, json_flag
 from rackctl.commands.base import Ctx, Failure, command
 from rackctl.commands.database import connect, database_url_option
 from rackctl.settle import settled
+from shared.config import dead_letter_alert
 
 
 def _check_options(p: argparse.ArgumentParser) -> None:
@@ -35,6 +37,14 @@ def _check_options(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="at rest, while work is in flight (a saga, a message not yet consumed), check again each second "
         "for up to this long before reporting what still fails (default 30; 0: the first look)",
+    )
+    p.add_argument(
+        "--dead-letters-within",
+        type=duration,
+        default=None,
+        metavar="SECONDS",
+        help="at rest, report the dead letters younger than this (default $RACKPLANE_DLQ_ALERT, else 3600; "
+        "0: never)",
     )
 
 
@@ -66,7 +76,18 @@ async def check_invariants(ctx: Ctx) -> None:
     finally:
         await conn.close()
     checks = checker.names(at_rest=a.at_rest, broker=js is not None)
-    data = {"ok": not violations, "at_rest": a.at_rest, "checks": checks, "violations": violations}
+    data: dict[str, Any] = {"ok": False, "at_rest": a.at_rest, "checks": checks, "violations": violations}
+    within = dead_letter_alert() if a.dead_letters_within is None else a.dead_letters_within
+    if js is not None and within > 0:
+        checks.append("no_recent_dead_letters")
+        try:
+            depth = await dlq.depth(js, within)
+        except Exception as e:  # a broker that went away, an identity that may not read the DLQ
+            violations.append(f"dead letters not read: {type(e).__name__}: {e}")
+        else:
+            data["dead_letters"] = depth.as_dict()
+            violations += checker.recent_dead_letters(depth)
+    data["ok"] = not violations
 
     def human(d: dict[str, Any]) -> None:
         for line in d["violations"]:

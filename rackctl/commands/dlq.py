@@ -1,0 +1,166 @@
+"""`rackctl dlq`: the dead letters, with why each was given up on; replay one where it came from; delete.
+
+Reading takes the auditor's rights (the console's); replaying and deleting the dlq-admin identity's
+(`--context dlq-admin`), since a replay publishes on a sled's or a service's own subjects (rackctl/dlq.py,
+docs/operations.md "Dead letters").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Awaitable
+from datetime import UTC, datetime, timedelta
+from typing import TypeVar
+
+from nats.js import JetStreamContext
+
+from rackctl import dlq
+from rackctl.commands.args import ago, count, json_flag
+from rackctl.commands.base import Ctx, Failure, Unconfirmed, UsageError, command, group
+from rackctl.output import print_fields, print_table
+from shared import subjects
+
+T = TypeVar("T")
+
+group("dlq", "dead letters: the messages a consumer gave up on, with the reason")
+
+
+def _time(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _list_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--service", choices=subjects.SERVICES, help="only this service's dead letters")
+    p.add_argument("--since", type=ago, metavar="AGO", help="only those of the last 30m, 2h, 7d...")
+    json_flag(p)
+
+
+@command(
+    "dlq list",
+    "the dead letters, oldest first: sequence, time, service, consumer, subject, reason",
+    _list_args,
+    examples=("rackctl dlq list", "rackctl dlq list --service accounting --since 2h"),
+)
+async def dlq_list(ctx: Ctx) -> None:
+    a = ctx.args
+    since = datetime.now(UTC) - timedelta(seconds=a.since) if a.since else None
+    letters = await dlq.read(await _js(ctx), service=a.service, since=since)
+    ctx.emit(
+        [d.as_dict() for d in letters],
+        lambda _: print_table(
+            ("SEQ", "TIME", "SERVICE", "CONSUMER", "SUBJECT", "REASON"),
+            [(d.seq, _time(d.time), d.service, d.consumer, d.subject, d.reason) for d in letters],
+        ),
+    )
+
+
+def _seq_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("seq", type=count, metavar="SEQ", help="the dead letter's sequence (rackctl dlq list)")
+
+
+@command(
+    "dlq show",
+    "one dead letter: its headers and its message",
+    _seq_arg,
+    json_flag,
+    examples=("rackctl dlq show 42",),
+)
+async def dlq_show(ctx: Ctx) -> None:
+    d = await _get(ctx, ctx.args.seq)
+
+    def human(_: object) -> None:
+        print_fields(
+            [
+                ("seq", d.seq),
+                ("time", _time(d.time)),
+                ("service", d.service),
+                ("consumer", d.consumer),
+                ("reason", d.reason),
+                ("subject", d.subject),
+                ("replays to", d.replay_to),
+                ("stream", f"{d.stream} (sequence {d.original_seq})"),
+                *((f"header {k}", v) for k, v in sorted(d.headers.items())),
+            ]
+        )
+        payload = d.payload()
+        print(json.dumps(payload, indent=2, sort_keys=True) if not isinstance(payload, str) else payload)
+
+    ctx.emit(d.as_dict(payload=True), human)
+
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
+    _seq_arg(p)
+    p.add_argument("--yes", action="store_true", help="confirm: the message is published again")
+    json_flag(p)
+
+
+@command(
+    "dlq replay",
+    "publish a dead letter again on its original subject, then delete it (needs --yes, and the dlq-admin "
+    "identity)",
+    _replay_args,
+    examples=("rackctl dlq replay 42 --yes --context dlq-admin  # once what made it fail is fixed",),
+)
+async def dlq_replay(ctx: Ctx) -> None:
+    a = ctx.args
+    if not a.yes:
+        raise Unconfirmed(
+            f"refusing to replay dead letter {a.seq} without --yes: its consumer acts on it again"
+        )
+    letter, new_seq = await _run(dlq.replay(await _js(ctx), a.seq))
+    data = {"seq": letter.seq, "subject": letter.replay_to, "stream_seq": new_seq}
+    ctx.emit(data, lambda d: print(f"replayed dead letter {d['seq']} to {d['subject']} (stream sequence "
+                                    f"{d['stream_seq']}); deleted it from the DLQ"))  # fmt: skip
+
+
+def _purge_args(p: argparse.ArgumentParser) -> None:
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("seq", type=count, nargs="?", metavar="SEQ", help="one dead letter")
+    which.add_argument("--all", action="store_true", help="every dead letter")
+    which.add_argument("--older-than", type=ago, metavar="AGO", help="those older than 1h, 7d...")
+    p.add_argument("--yes", action="store_true", help="confirm: deleted dead letters are gone for good")
+    json_flag(p)
+
+
+@command(
+    "dlq purge",
+    "delete dead letters: one, all, or those older than a time (needs --yes)",
+    _purge_args,
+    examples=(
+        "rackctl dlq purge 42 --yes --context dlq-admin",
+        "rackctl dlq purge --older-than 7d --yes --context dlq-admin",
+    ),
+)
+async def dlq_purge(ctx: Ctx) -> None:
+    a = ctx.args
+    if a.seq is None and not a.all and a.older_than is None:
+        raise UsageError("name a dead letter (SEQ), or --all, or --older-than")
+    if not a.yes:
+        raise Unconfirmed("refusing to delete dead letters without --yes: they are gone for good")
+    js = await _js(ctx)
+    if a.seq is not None:
+        await _run(dlq.delete(js, a.seq))
+        seqs = [a.seq]
+    else:
+        cutoff = datetime.now(UTC) - timedelta(seconds=a.older_than) if a.older_than else None
+        seqs = [d.seq for d in await dlq.read(js) if cutoff is None or d.time < cutoff]
+        for seq in seqs:
+            await _run(dlq.delete(js, seq))
+    ctx.emit({"deleted": seqs}, lambda d: print(f"deleted {len(d['deleted'])} dead letter(s)"))
+
+
+async def _js(ctx: Ctx) -> JetStreamContext:
+    return (await ctx.client()).nc.jetstream()
+
+
+async def _get(ctx: Ctx, seq: int) -> dlq.DeadLetter:
+    return await _run(dlq.get(await _js(ctx), seq))
+
+
+async def _run(call: Awaitable[T]) -> T:
+    """A dead letter that is not there is a failure of the command (exit 1), said in one line."""
+    try:
+        return await call
+    except dlq.NoDeadLetter as e:
+        raise Failure(str(e)) from None

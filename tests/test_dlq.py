@@ -1,0 +1,147 @@
+"""Dead letters are handled, not hidden (issue 14, item 4): a dead-lettered message shows in `rackctl dlq
+list` with its reason, service, consumer and original subject; `replay` puts it back on the subject it
+was first sent on (and only the dlq-admin identity may); `purge` removes it; `rackctl check` reports a
+young one."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+from deploy.stack import Stack
+from rackctl.client import Client
+from shared import subjects
+from shared.bus import MSG_ID
+from tests.conftest import JetStreamAs, connect_as, eventually, unique
+from tests.test_bad_input import raw_envelope
+from tests.test_cli import assert_ok, rackctl
+
+
+def _admin(stack: Stack) -> Path:
+    assert stack.security is not None and stack.nats_url
+    return stack.security.write_context("dlq-admin", "dlq-admin", stack.nats_url)
+
+
+async def _bad_delta(stack: Stack, jetstream_as: JetStreamAs) -> tuple[dict[str, Any], bytes, str]:
+    """A delta that accounting can never apply, sent with instance-manager's identity: its dead letter
+    (as `rackctl dlq list --json` shows it), its payload, and the subject it was sent on."""
+    js = await jetstream_as("instance-manager")
+    instance = uuid.uuid4()
+    sent_on = subjects.provision_delta(unique("silo"), "web", instance)
+    payload = raw_envelope("rp.acct.delta", 1, {"instance_id": "nope"})
+    await js.publish(sent_on, payload, headers={MSG_ID: str(uuid.uuid4())})
+
+    async def listed() -> Any:
+        r = await rackctl(stack, "dlq", "list", "--service", "accounting", "--json")
+        assert_ok(r)
+        return next((d for d in r.json() if d["replay_to"] == sent_on), None)
+
+    return await eventually(listed), payload, sent_on
+
+
+async def test_a_dead_letter_is_listed_with_its_reason_and_replays_to_its_subject(
+    stack: Stack, client: Client, jetstream_as: JetStreamAs
+) -> None:
+    letter, payload, sent_on = await _bad_delta(stack, jetstream_as)
+    assert letter["service"] == "accounting"
+    assert letter["consumer"].startswith("accounting-deltas-")
+    assert letter["reason"].startswith("invalid: rp.acct.delta v1")
+    assert letter["stream"] == subjects.PROVISION_STREAM
+    # stored under its partition, which no one may publish on; replayed on the subject it was sent on
+    assert letter["subject"].startswith("rp.acct.part.") and letter["subject"].endswith(sent_on[14:])
+    seq = letter["seq"]
+
+    r = await rackctl(stack, "dlq", "list", "--service", "accounting")
+    assert_ok(r)
+    header, *rows = r.out.splitlines()
+    assert header.split() == ["SEQ", "TIME", "SERVICE", "CONSUMER", "SUBJECT", "REASON"]
+    [row] = [line for line in rows if line.split()[0] == str(seq)]
+    assert row.split()[2:5] == ["accounting", letter["consumer"], letter["subject"]]
+    assert "invalid: rp.acct.delta v1" in row
+
+    r = await rackctl(stack, "dlq", "show", str(seq), "--json")
+    assert_ok(r)
+    shown = r.json()
+    assert shown["headers"]["Rp-Dlq-Reason"] == letter["reason"]
+    assert shown["payload"] == json.loads(payload)  # nothing lost: the message as it came
+    r = await rackctl(stack, "dlq", "show", str(seq))
+    assert_ok(r)
+    assert re.search(rf"^replays to +{re.escape(sent_on)}$", r.out, re.M), r.out
+    assert re.search(r"^header Rp-Dlq-Reason +invalid: rp.acct.delta v1", r.out, re.M), r.out
+    assert '"schema": "rp.acct.delta"' in r.out
+
+    r = await rackctl(stack, "dlq", "replay", str(seq))
+    assert r.code == 2 and "without --yes" in r.err, r
+    # the console's (here the test identity's) rights read dead letters, and do not replay them
+    r = await rackctl(stack, "dlq", "replay", str(seq), "--yes")
+    assert r.code == 1 and "forbidden" in r.err and "--context dlq-admin" in r.err, r
+
+    r = await rackctl(stack, "dlq", "replay", str(seq), "--yes", "--json", "--context", str(_admin(stack)))
+    assert_ok(r)
+    replayed = r.json()
+    assert replayed["subject"] == sent_on
+    # it is in PROVISION again, as sent, under its own message id...
+    auditor = await connect_as(stack, "auditor")
+    try:
+        again = await auditor.jetstream().get_msg(subjects.PROVISION_STREAM, seq=replayed["stream_seq"])
+    finally:
+        await auditor.close()
+    assert again.data == payload and again.subject == letter["subject"]
+    assert again.headers is not None and again.headers["Rp-Replay-Of"] == f"DLQ:{seq}"
+    assert again.headers[MSG_ID] == f"replay:DLQ:{seq}"
+
+    # ...gone from the DLQ, and accounting, which still cannot apply it, dead-letters it anew
+    async def relisted() -> Any:
+        r = await rackctl(stack, "dlq", "list", "--service", "accounting", "--json")
+        mine = [d for d in r.json() if d["replay_to"] == sent_on]
+        return mine if mine and mine[0]["seq"] != seq else None
+
+    [anew] = await eventually(relisted)
+    assert anew["original_seq"] == replayed["stream_seq"] and anew["reason"] == letter["reason"]
+    r = await rackctl(stack, "dlq", "show", str(seq))
+    assert r.code == 1 and f"no dead letter {seq}" in r.err, r
+
+    # purge: refused without --yes, then gone
+    r = await rackctl(stack, "dlq", "purge", str(anew["seq"]), "--context", str(_admin(stack)))
+    assert r.code == 2, r
+    r = await rackctl(stack, "dlq", "purge", str(anew["seq"]), "--yes", "--context", str(_admin(stack)))
+    assert_ok(r)
+    assert r.out.strip() == "deleted 1 dead letter(s)"
+    r = await rackctl(stack, "dlq", "list", "--service", "accounting", "--json")
+    assert all(d["replay_to"] != sent_on for d in r.json())
+
+
+async def test_purge_older_than_keeps_the_young(stack: Stack, jetstream_as: JetStreamAs) -> None:
+    letter, _, _ = await _bad_delta(stack, jetstream_as)
+    admin = str(_admin(stack))
+    r = await rackctl(stack, "dlq", "purge", "--older-than", "1d", "--yes", "--json", "--context", admin)
+    assert_ok(r)
+    assert letter["seq"] not in r.json()["deleted"]
+    r = await rackctl(stack, "dlq", "list", "--since", "1h", "--json")
+    assert letter["seq"] in [d["seq"] for d in r.json()]
+    r = await rackctl(stack, "dlq", "purge", "--yes", "--context", admin)
+    assert r.code == 2 and "SEQ" in r.err, r
+
+
+async def test_rackctl_check_reports_a_young_dead_letter(stack: Stack, jetstream_as: JetStreamAs) -> None:
+    letter, _, _ = await _bad_delta(stack, jetstream_as)
+    assert stack.database_url is not None
+    args = ("check", "--database-url", stack.database_url, "--settle", "0", "--json")
+    r = await rackctl(stack, *args)
+    data = json.loads(r.out)
+    assert "no_recent_dead_letters" in data["checks"] and not data["ok"]
+    assert data["dead_letters"]["recent"] >= 1 and data["dead_letters"]["within_seconds"] == 3600
+    [line] = [v for v in data["violations"] if "dead letter(s) newer than 1h" in v]
+    assert "(rackctl dlq list)" in line
+    r = await rackctl(stack, *args, "--dead-letters-within", "0")
+    assert not any("dead letter" in v for v in json.loads(r.out)["violations"])
+    assert "no_recent_dead_letters" not in json.loads(r.out)["checks"]
+    r = await rackctl(stack, *args, RACKPLANE_DLQ_ALERT="2h")
+    assert json.loads(r.out)["dead_letters"]["within_seconds"] == 7200
+    r = await rackctl(stack, *args, RACKPLANE_DLQ_ALERT="soon")
+    assert r.code == 1 and "RACKPLANE_DLQ_ALERT" in r.err, r
+    r = await rackctl(stack, "dlq", "purge", str(letter["seq"]), "--yes", "--context", str(_admin(stack)))
+    assert_ok(r)
