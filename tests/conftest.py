@@ -260,3 +260,26 @@ async def usage_is(
             return False
 
     await eventually(check, timeout=10)
+
+
+async def instance_changes(client: Client, subject: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """Every instance change the EVENTS stream holds on `subject` (`rp.evt.<silo|*>.instance.changed`,
+    or its `.v2`): (instance id, generation) -> the instance view."""
+    import nats.errors
+
+    from shared.messages import InstanceChanged, InstanceChangedV2, decode
+
+    expect = InstanceChangedV2 if subject.endswith(".v2") else InstanceChanged
+    sub = await client.nc.jetstream().subscribe(subject, ordered_consumer=True)
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                return out
+            _, event = decode(msg.data, expect)
+            assert isinstance(event, expect)
+            out[str(event.instance.id), event.instance.generation] = event.instance.model_dump(mode="json")
+    finally:
+        await sub.unsubscribe()

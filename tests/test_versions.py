@@ -6,40 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import nats.errors
 import pytest
 
 from rackctl.client import Client
 from shared import subjects
 from shared.config import ConfigError, Settings
-from shared.messages import AutoRestart, InstanceChanged, InstanceChangedV2, decode
+from shared.messages import AutoRestart
 from tests import release
 from tests.conftest import (
     GiB,
     assert_invariants,
     eventually,
+    instance_changes,
     private_rack,
     unique,
     wait_state,
 )
-
-
-async def changes(client: Client, subject: str) -> dict[tuple[str, int], dict[str, Any]]:
-    """Every instance change on `subject` the stream holds: (instance, generation) -> the view."""
-    expect = InstanceChangedV2 if subject.endswith(".v2") else InstanceChanged
-    sub = await client.nc.jetstream().subscribe(subject, ordered_consumer=True)
-    out: dict[tuple[str, int], dict[str, Any]] = {}
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except nats.errors.TimeoutError:
-                return out
-            _, event = decode(msg.data, expect)
-            assert isinstance(event, expect)
-            out[str(event.instance.id), event.instance.generation] = event.instance.model_dump(mode="json")
-    finally:
-        await sub.unsubscribe()
 
 
 async def lifecycle(client: Client, silo: str, proj: str, name: str) -> None:
@@ -60,8 +42,8 @@ async def test_every_change_reaches_a_v1_reader_and_a_v2_reader_alike(
     await lifecycle(client, silo, proj, "vm")
 
     async def both() -> tuple[dict[Any, Any], dict[Any, Any]] | None:
-        v1 = await changes(client, subjects.event(silo, "instance", "changed"))
-        v2 = await changes(client, subjects.event(silo, "instance", "changed", version=2))
+        v1 = await instance_changes(client, subjects.event(silo, "instance", "changed"))
+        v2 = await instance_changes(client, subjects.event(silo, "instance", "changed", version=2))
         final = any(view["state"] == "destroyed" for view in v2.values())
         return (v1, v2) if final and v1.keys() == v2.keys() else None
 
@@ -78,11 +60,11 @@ async def test_with_v1_turned_off_only_v2_is_sent() -> None:
         await lifecycle(client, silo, proj, "vm")
 
         async def destroyed() -> dict[Any, Any] | None:
-            v2 = await changes(client, subjects.event(silo, "instance", "changed", version=2))
+            v2 = await instance_changes(client, subjects.event(silo, "instance", "changed", version=2))
             return v2 if any(view["state"] == "destroyed" for view in v2.values()) else None
 
         assert len(await eventually(destroyed)) >= 5
-        assert await changes(client, subjects.event(silo, "instance", "changed")) == {}
+        assert await instance_changes(client, subjects.event(silo, "instance", "changed")) == {}
         await assert_invariants(db)
 
 

@@ -10,18 +10,20 @@ from pathlib import Path
 import pytest
 
 from rackctl import check as checker
+from shared import subjects
 from tests import release
 from tests.chaos.scenario import CHAOS_ENV, Scenario
-from tests.conftest import private_rack
+from tests.conftest import instance_changes, private_rack
 
 
-async def run(seed: int, duration: float, old_recovery: Path | None = None) -> None:
-    """One chaos run; with `old_recovery` (the source tree of an earlier release), a recovery replica of
-    that release runs beside today's the whole time, killed and restarted like any other process."""
+async def run(seed: int, duration: float, old: Path | None = None, beside: tuple[str, ...] = ()) -> None:
+    """One chaos run; with `old` (the source tree of an earlier release), a replica of each service in
+    `beside` at that release runs beside today's the whole time, killed and restarted like any other."""
     async with private_rack("chaos", timeout=5, **CHAOS_ENV) as (stack, client, db):
-        if old_recovery is not None:
-            stack.start_service("recovery", replica="recovery-old", root=old_recovery)
-            stack.wait_ready(("recovery",))
+        for name in beside:
+            assert old is not None
+            stack.start_service(name, replica=f"{name}-old", root=old)
+        stack.wait_ready(beside)
         started = time.monotonic()
         report = await Scenario(stack, client, db, seed, duration).run()
         print(f"\n{report.summary()}\n  wall time: {time.monotonic() - started:.1f}s")
@@ -31,17 +33,24 @@ async def run(seed: int, duration: float, old_recovery: Path | None = None) -> N
             pytest.fail(f"{len(report.violations)} violations; replay: {replay}\n{report.summary()}\n{log}")
         assert sum(report.faults.values()) > 0, "a chaos run that injected no fault proves nothing"
         assert set(checker.names()) <= set(report.invariants), "an invariant was not checked"
+        if "instance_manager" in beside:  # the old producer took part: changes it sent went out as v1 alone
+            v1 = await instance_changes(client, subjects.event("*", "instance", "changed"))
+            v2 = await instance_changes(client, subjects.event("*", "instance", "changed", version=2))
+            alone = v1.keys() - v2.keys()
+            print(f"  instance changes: {len(v1)} as v1, {len(v2)} as v2, {len(alone)} as v1 alone")
+            assert alone, "the instance-manager of the earlier release sent nothing"
 
 
 async def test_a_short_fixed_seed_chaos_run_keeps_every_invariant() -> None:
     await run(seed=20261202, duration=40)
 
 
-async def test_a_short_chaos_run_with_recovery_at_the_release_before_v2_beside_todays() -> None:
-    """A rolling upgrade under chaos: one recovery replica reads `rp.evt.instance.changed` v1 alone (the
-    release before v2), one reads v1 and v2; instance-manager sends both. Every invariant holds."""
+async def test_a_short_chaos_run_with_services_of_the_release_before_v2_beside_todays() -> None:
+    """A rolling upgrade under chaos, mid-way: beside today's instance-manager (sending v1 and v2) and
+    recovery (reading both), one of each at the release before v2: an instance-manager that sends v1
+    alone, a recovery that reads v1 alone. Every invariant holds."""
     with release.checkout() as old:
-        await run(seed=20261204, duration=45, old_recovery=old)
+        await run(seed=20261204, duration=45, old=old, beside=("instance_manager", "recovery"))
 
 
 @pytest.mark.chaos
