@@ -20,10 +20,9 @@ import asyncpg
 
 from shared.config import DB_LOGINS
 from shared.db import owner_role
+from shared.migrate import SCHEMAS
 
 SQL = Path(__file__).parent / "sql"
-SCHEMAS = ("instance_manager", "accounting", "recovery")
-"""The services that keep state in PostgreSQL: each has a schema, and roles, of its own."""
 CHECKER = "rackplane_check"
 _VAR = re.compile(r""":(["'])(\w+)\1""")
 

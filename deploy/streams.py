@@ -14,7 +14,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from shared import bus, subjects
-from shared.config import Settings, duplicate_window
+from shared.config import ConfigError, Settings, duplicate_window
 
 MAX_AGE_S = 7 * 24 * 3600.0
 
@@ -70,7 +70,10 @@ async def ensure(
 
 
 def main() -> None:
-    s = Settings.from_env()
+    try:
+        s = Settings.from_env()
+    except ConfigError as e:
+        raise SystemExit(f"streams: {e}") from None
     asyncio.run(ensure(s.nats_url, s.nats_nkey_file, s.nats_ca_file))
     print(f"streams in place: {', '.join(subjects.STREAMS)}")
 

@@ -20,6 +20,7 @@ import os
 import sys
 from typing import NoReturn
 
+import argcomplete
 import nats.errors
 
 # importing rackctl.commands (its __init__) registers every command, in the order of --help
@@ -33,12 +34,34 @@ from rackctl.commands.base import (
     Unconfirmed,
     UnknownName,
     UsageError,
+    epilog,
 )
+from rackctl.commands.version import version_text
 from shared import bus, telemetry
-from shared.config import DEFAULT_NATS_URL
+from shared.config import DEFAULT_NATS_URL, ConfigError
 
 PROG = "rackctl"
 DEFAULT_TIMEOUT = 60.0
+EXAMPLES = (
+    "rackctl silo create acme --cpus 16 --ram 64GiB  # a silo with quotas",
+    "rackctl instance start acme/web/frontend --wait  # start an instance, and wait until it runs",
+    "rackctl instance list --silo acme --json  # any read as JSON",
+    "rackctl --context acme-operator usage  # as another identity (docs/security.md)",
+    "source <(rackctl completion bash)  # complete commands and options as they are typed",
+)
+FORMAT = argparse.RawDescriptionHelpFormatter
+"""Every help keeps its examples' lines as written."""
+
+
+class _Version(argparse.Action):
+    """`--version`: made only when asked, so that parsing (and completing) never runs git."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> NoReturn:
+        print(version_text())
+        parser.exit()
 
 
 def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
@@ -67,7 +90,15 @@ def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Operate a rackplane control plane.")
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Operate a rackplane control plane.",
+        epilog=epilog(EXAMPLES) + f"\n\n`{PROG} COMMAND --help` shows a command's options and examples.",
+        formatter_class=FORMAT,
+    )
+    parser.add_argument(
+        "--version", action=_Version, help="show the version and the message schemas, then exit"
+    )
     _global_options(parser, defaults=True)
     common = argparse.ArgumentParser(add_help=False)
     _global_options(common, defaults=False)
@@ -83,14 +114,32 @@ def build_parser() -> argparse.ArgumentParser:
                 subs[words[:i]] = leaves[words[:i]].add_subparsers(metavar="COMMAND", required=False)
                 continue
             about = GROUPS.get(" ".join(words[:i]))
-            group = subs[words[: i - 1]].add_parser(words[i - 1], help=about, description=about)
+            group = subs[words[: i - 1]].add_parser(
+                words[i - 1],
+                help=about,
+                description=about,
+                epilog=epilog(group_examples(words[:i])),
+                formatter_class=FORMAT,
+            )
             subs[words[:i]] = group.add_subparsers(metavar="COMMAND", required=True)
-        leaf = subs[words[:-1]].add_parser(words[-1], help=cmd.help, description=cmd.help, parents=[common])
+        leaf = subs[words[:-1]].add_parser(
+            words[-1],
+            help=cmd.help,
+            description=cmd.help,
+            epilog=epilog(cmd.examples),
+            formatter_class=FORMAT,
+            parents=[common],
+        )
         for add in cmd.options:
             add(leaf)
         leaf.set_defaults(command=cmd, parser=leaf)
         leaves[words] = leaf
     return parser
+
+
+def group_examples(words: tuple[str, ...]) -> list[str]:
+    """A command group's examples: the first of each of its commands."""
+    return [c.examples[0] for w, c in COMMANDS.items() if w[: len(words)] == words and c.examples]
 
 
 async def run(cmd: Command, args: argparse.Namespace) -> None:
@@ -105,7 +154,9 @@ async def run(cmd: Command, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     _setup_logging()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argcomplete.autocomplete(parser)  # answers a shell's completion request and exits; otherwise nothing
+    args = parser.parse_args(argv)
     try:
         telemetry.setup_tracing(PROG)
     except ValueError as e:
@@ -121,7 +172,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except BrokenPipeError:  # stdout closed early (`rackctl ... | head`): not an error worth a line
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 1
-    except (bus.CommandError, Failure, ConnectionError) as e:
+    except (bus.CommandError, Failure, ConnectionError, ConfigError) as e:
         code = _report(str(e))
     except nats.errors.Error as e:
         code = _report(f"nats: {e}")
@@ -145,6 +196,8 @@ def _exit_error(message: str) -> NoReturn:
 def _setup_logging() -> None:
     level = os.environ.get("RACKCTL_LOG")
     if level:
+        if level.upper() not in logging.getLevelNamesMapping():
+            _exit_error(f"RACKCTL_LOG={level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
         logging.basicConfig(level=level.upper(), format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
     else:  # without a handler, Python would print library warnings (nats reconnects) to stderr
         logging.getLogger().addHandler(logging.NullHandler())

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger(__name__)
+from shared.config import settings
 
-POINTS = frozenset(p for p in os.environ.get("RACKPLANE_CRASH_AT", "").split(",") if p)
+log = logging.getLogger(__name__)
 
 
 def crash_point(name: str) -> None:
-    if POINTS and any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in POINTS):
+    points = settings().crash_at
+    if points and any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in points):
         log.warning("crashing at %s, as RACKPLANE_CRASH_AT asks", name)
         logging.shutdown()
         os._exit(137)

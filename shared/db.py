@@ -6,9 +6,12 @@ transactional outbox.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
+from dataclasses import dataclass
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -74,43 +77,168 @@ async def create_pool(dsn: str, schema: str, *, min_size: int = 0, max_size: int
     return pool
 
 
-async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path) -> list[str]:
-    """Apply the NNN_*.sql files of `dirs` not yet applied to `schema`, each in its own transaction.
+# --- migrations ------------------------------------------------------------------------------------------
 
-    The shared outbox migration comes first. An advisory lock per schema lets several replicas start at
-    once. Where the schema's owner role exists (deploy/sql/roles_service.sql), they run as it (`SET ROLE`),
-    so that the owner owns every table and the service's own role keeps only DML. Returns the names
-    applied now.
-    """
+
+class MigrationError(Exception):
+    """A schema that cannot be brought up to date as asked; one line that names the schema and the file."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One NNN_*.sql file of a schema, and what `schema_migrations` says of it."""
+
+    name: str
+    """`shared/001_outbox.sql` or `<service>/NNN_name.sql`, as recorded."""
+    path: Path | None
+    """None: recorded as applied, but no such file here (a newer version of the code applied it)."""
+    checksum: str | None
+    """sha256 of the file, hex."""
+    applied_at: datetime | None = None
+    recorded: str | None = None
+    """The checksum recorded when it was applied (None for one applied before checksums were kept)."""
+
+    @property
+    def state(self) -> str:
+        if self.applied_at is None:
+            return "pending"
+        if self.path is None:
+            return "unknown"
+        if self.recorded is not None and self.recorded != self.checksum:
+            return "changed"
+        return "applied"
+
+
+def migration_files(*dirs: Path) -> list[tuple[str, Path]]:
+    """(name, path) of every migration of a schema in the order they apply: the shared ones first."""
     files = sorted(SHARED_SQL.glob("[0-9][0-9][0-9]_*.sql"), key=lambda p: p.name)
     for d in dirs:
         files += sorted(d.glob("[0-9][0-9][0-9]_*.sql"), key=lambda p: p.name)
+    return [
+        (f"{f.parent.parent.name}/{f.name}" if f.parent != SHARED_SQL else f"shared/{f.name}", f)
+        for f in files
+    ]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+async def migration_states(conn: asyncpg.Connection, *dirs: Path) -> list[Migration]:
+    """Every migration of the schema on `conn`'s search_path, in order, then any applied that has no file
+    here. Reads only (the checker's read-only login can call it)."""
+    recorded: dict[str, asyncpg.Record] = {}
+    if await conn.fetchval("SELECT to_regclass('schema_migrations') IS NOT NULL"):
+        rows = await conn.fetch(
+            "SELECT name, applied_at, to_jsonb(m) ->> 'checksum' AS checksum FROM schema_migrations m"
+        )
+        recorded = {r["name"]: r for r in rows}
+    out = []
+    for name, path in migration_files(*dirs):
+        r = recorded.pop(name, None)
+        applied_at, checksum = (r["applied_at"], r["checksum"]) if r else (None, None)
+        out.append(Migration(name, path, _sha256(path), applied_at, checksum))
+    out += [Migration(n, None, None, r["applied_at"], r["checksum"]) for n, r in sorted(recorded.items())]
+    return out
+
+
+def refuse_changed(schema: str, states: list[Migration]) -> None:
+    """A migration changed after it was applied: the schema is not what the files say, so nothing runs."""
+    for m in states:
+        if m.state == "changed":
+            assert m.recorded and m.checksum
+            raise MigrationError(
+                f"schema {schema}: {m.name} changed after it was applied (sha256 {m.recorded[:12]} applied, "
+                f"{m.checksum[:12]} now): restore it, and make the change a new migration"
+            )
+
+
+def require_current(schema: str, states: list[Migration]) -> None:
+    """For a process that must not migrate (RACKPLANE_MIGRATE=skip): refuse a schema that is not current."""
+    refuse_changed(schema, states)
+    pending = [m.name for m in states if m.state == "pending"]
+    if pending:
+        many = len(pending) > 1
+        raise MigrationError(
+            f"schema {schema}: {len(pending)} migration{'s' if many else ''} pending ({', '.join(pending)}): "
+            f"apply {'them' if many else 'it'} first (python -m shared.migrate {schema}, or "
+            "RACKPLANE_MIGRATE=only), or start with RACKPLANE_MIGRATE=auto"
+        )
+
+
+async def migrate(pool: asyncpg.Pool, schema: str, *dirs: Path, lock_timeout: float = 10.0) -> list[str]:
+    """Apply the NNN_*.sql files of `dirs` not yet applied to `schema`, each in its own transaction, and
+    record each one's sha256; refuse (MigrationError) if an applied file has changed since.
+
+    The shared outbox migration comes first. An advisory lock per schema lets several replicas start at
+    once: the first applies, the others wait and then find nothing to do. Each migration waits at most
+    `lock_timeout` seconds for a table lock (a migration queued behind a long transaction would block
+    every query behind it); when it cannot get one it is rolled back, whole. Where the schema's owner role
+    exists (deploy/sql/roles_service.sql), they run as it (`SET ROLE`), so that the owner owns every
+    table and the service's own role keeps only DML. Returns the names applied now.
+    """
     applied_now: list[str] = []
     async with pool.acquire() as conn:
         await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"migrate:{schema}")
         owner = owner_role(schema)
         if await conn.fetchval(_CAN_BECOME, owner):
             await conn.execute(f'SET ROLE "{owner}"')
+        await conn.execute("SELECT set_config('lock_timeout', $1, false)", f"{round(lock_timeout * 1000)}ms")
         try:
+            if not await conn.fetchval(_MAY_CREATE, schema):
+                raise MigrationError(
+                    f"schema {schema}: {await conn.fetchval('SELECT current_user')} may not create in it: "
+                    "migrate it with its own service's login (a member of its owner role) or an "
+                    "administrator's"
+                )
             await conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations "
-                "(name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+                "(name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now(), checksum text)"
             )
-            done = {r["name"] for r in await conn.fetch("SELECT name FROM schema_migrations")}
-            for f in files:
-                name = f"{f.parent.parent.name}/{f.name}" if f.parent != SHARED_SQL else f"shared/{f.name}"
-                if name in done:
-                    continue
-                async with conn.transaction():
-                    await conn.execute(f.read_text())
-                    await conn.execute("INSERT INTO schema_migrations (name) VALUES ($1)", name)
-                applied_now.append(name)
+            if not await conn.fetchval(_HAS_CHECKSUM):  # made before checksums were kept
+                await conn.execute("ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS checksum text")
+            states = await migration_states(conn, *dirs)
+            refuse_changed(schema, states)
+            for m in states:
+                if m.state == "applied" and m.recorded is None:  # applied before checksums: trusted as it is
+                    await conn.execute(_RECORD_CHECKSUM, m.name, m.checksum)
+            for m in (m for m in states if m.state == "pending"):
+                assert m.path is not None
+                try:
+                    async with conn.transaction():
+                        await conn.execute(m.path.read_text())
+                        await conn.execute(
+                            "INSERT INTO schema_migrations (name, checksum) VALUES ($1, $2)",
+                            m.name,
+                            m.checksum,
+                        )
+                except asyncpg.LockNotAvailableError:
+                    raise MigrationError(
+                        f"schema {schema}: {m.name} waited over {lock_timeout:g}s for a lock "
+                        "(RACKPLANE_MIGRATE_LOCK_TIMEOUT) and was rolled back: retry once the transaction "
+                        "holding it ends"
+                    ) from None
+                except asyncpg.PostgresError as e:
+                    raise MigrationError(
+                        f"schema {schema}: {m.name} failed and was rolled back: {e}"
+                    ) from None
+                applied_now.append(m.name)
         finally:
+            await conn.execute("RESET lock_timeout")
             await conn.execute("RESET ROLE")
             await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", f"migrate:{schema}")
     return applied_now
 
 
+_MAY_CREATE = (
+    "SELECT CASE WHEN to_regnamespace($1::text) IS NULL THEN false "
+    "ELSE has_schema_privilege($1::text, 'CREATE') END"
+)
+_HAS_CHECKSUM = (
+    "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'schema_migrations'::regclass "
+    "AND attname = 'checksum' AND NOT attisdropped)"
+)
+_RECORD_CHECKSUM = "UPDATE schema_migrations SET checksum = $2 WHERE name = $1 AND checksum IS NULL"
 _CAN_BECOME = (
     "SELECT CASE WHEN to_regrole($1::text) IS NULL THEN false "
     "ELSE pg_has_role(current_user, $1::name, 'MEMBER') END"

@@ -8,11 +8,11 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from pathlib import Path
 from typing import Any
 
 from shared import telemetry
-from shared.config import ConfigError, Settings, setup_logging
+from shared.config import ConfigError, Settings, settings, setup_logging
+from shared.db import MigrationError
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +20,15 @@ log = logging.getLogger(__name__)
 def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
     """Run `main` until it returns or the process is asked to stop. A bad setting stops it with one line
     that names the variable."""
-    settings = Settings.from_env()
-    setup_logging(service, settings.log_level)
-    telemetry.setup_tracing(service)
+    try:
+        given = settings()
+    except ConfigError as e:
+        raise SystemExit(f"{service}: {e}") from None
+    setup_logging(service, given.log_level)
+    telemetry.setup_tracing(service, given.traces)
 
     async def supervise() -> None:
-        task = asyncio.create_task(main(settings))
+        task = asyncio.create_task(main(given))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
@@ -36,10 +39,16 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
 
     try:
         asyncio.run(supervise())
-    except ConfigError as e:
+    except Migrated as done:
+        log.info("%s: %s", service, done)
+    except MigrationError as e:
         raise SystemExit(f"{service}: {e}") from None
     finally:
         telemetry.shutdown_tracing()
+
+
+class Migrated(Exception):
+    """RACKPLANE_MIGRATE=only: the schema is current and the process has nothing more to do (exit 0)."""
 
 
 def dump_tasks() -> None:
@@ -77,7 +86,7 @@ async def serve_stats(
     await bus.serve(nc, subjects.stats(service), {StatsGet: answer}, queue=service, check_silo=False)
 
 
-async def serve_faults(nc: Any, service: str, settings: Settings | None = None) -> None:
+async def serve_faults(nc: Any, service: str) -> None:
     """Answer `rp.svc.<service>.faults`: set or read this process's fault injection (shared/faults.py).
 
     Only when the process was started with fault injection enabled (RACKPLANE_FAULTS=1): otherwise it
@@ -90,7 +99,7 @@ async def serve_faults(nc: Any, service: str, settings: Settings | None = None) 
     from shared.faults import FAULTS
     from shared.messages import ServiceFaults
 
-    if not (settings or Settings.from_env()).faults:
+    if not settings().faults:
         return
 
     async def answer(body: ServiceFaults, msg: Any) -> dict[str, Any]:
@@ -121,10 +130,28 @@ async def connect_bus(settings: Settings, service: str, identity: str | None = N
     return nc, nc.jetstream()
 
 
-async def open_database(settings: Settings, schema: str, migrations: Path) -> Any:
-    """A pool on the service's own schema, its migrations applied."""
+async def open_database(settings: Settings, schema: str) -> Any:
+    """A pool on the service's own schema, its migrations applied, or (RACKPLANE_MIGRATE=skip) found
+    applied already; with RACKPLANE_MIGRATE=only, the process stops once they are (`Migrated`)."""
     from shared import db
+    from shared.migrate import migrations_dir
 
     pool = await db.create_pool(settings.database_url, schema)
-    await db.migrate(pool, schema, migrations)
+    try:
+        if settings.migrations == "skip":
+            async with pool.acquire() as conn:
+                db.require_current(schema, await db.migration_states(conn, migrations_dir(schema)))
+            return pool
+        applied = await db.migrate(
+            pool, schema, migrations_dir(schema), lock_timeout=settings.migration_lock_timeout
+        )
+        if applied:
+            log.info("%s: applied %s", schema, ", ".join(applied))
+        if settings.migrations == "only":
+            raise Migrated(
+                f"schema {schema} is current ({len(applied)} applied now); exiting (RACKPLANE_MIGRATE=only)"
+            )
+    except BaseException:
+        await pool.close()
+        raise
     return pool

@@ -18,7 +18,7 @@ import pytest
 
 from rackctl.check import check
 from rackctl.client import Client
-from shared.config import ConfigError, env_duration
+from shared.config import ConfigError, Settings
 from tests.conftest import GiB, assert_invariants, counter, eventually, private_rack, unique, wait_state
 
 RETENTION = 5.0
@@ -164,13 +164,13 @@ async def test_old_rows_go_and_what_the_fences_need_stays() -> None:
 def test_a_duration_is_seconds_or_a_number_with_a_unit(monkeypatch: pytest.MonkeyPatch) -> None:
     for raw, seconds in (("90", 90.0), ("1.5", 1.5), ("30m", 1800.0), ("12h", 43200.0), ("7d", 604800.0)):
         monkeypatch.setenv("RACKPLANE_RETENTION", raw)
-        assert env_duration("RACKPLANE_RETENTION", 1.0) == seconds
+        assert Settings.from_env().retention == seconds
     monkeypatch.delenv("RACKPLANE_RETENTION")
-    assert env_duration("RACKPLANE_RETENTION", 604800.0) == 604800.0
+    assert Settings.from_env().retention == 604800.0
     for raw in ("soon", "-1", "0", "7 days", "inf", "1e3"):
         monkeypatch.setenv("RACKPLANE_RETENTION", raw)
         with pytest.raises(ConfigError, match="RACKPLANE_RETENTION"):
-            env_duration("RACKPLANE_RETENTION", 1.0)
+            Settings.from_env()
 
 
 def test_a_bad_retention_stops_instance_manager_with_one_line_naming_it() -> None:

@@ -504,9 +504,11 @@ async def test_add_a_sled_then_rotate_its_credential(bare: tuple[Nats, BrokerSec
 
 def test_a_sled_without_a_credential_cannot_join(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from services.sled_agent import identity
+    from shared.config import Settings
 
     monkeypatch.setenv("RACKPLANE_SLED_NKEYS", str(tmp_path))
+    folder = Settings.from_env().sled_nkeys
     (tmp_path / "sled-0.nk").write_text("seed")
-    assert identity.seed_file("sled-0") == tmp_path / "sled-0.nk"
+    assert identity.seed_file("sled-0", folder) == tmp_path / "sled-0.nk"
     with pytest.raises(identity.NoCredential, match="add-sled"):
-        identity.seed_file("sled-1")
+        identity.seed_file("sled-1", folder)

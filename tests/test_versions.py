@@ -10,7 +10,7 @@ import pytest
 
 from rackctl.client import Client
 from shared import subjects
-from shared.config import ConfigError, env_flag, event_v1
+from shared.config import ConfigError, Settings
 from shared.messages import AutoRestart
 from tests import release
 from tests.conftest import (
@@ -72,14 +72,13 @@ def test_the_window_setting_takes_on_and_off_and_names_itself_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("RACKPLANE_EVENT_V1", raising=False)
-    assert event_v1() is True  # the deprecation window is open by default
+    assert Settings.from_env().event_v1 is True  # the deprecation window is open by default
     for value, expected in (("0", False), ("off", False), ("No", False), ("1", True), ("true", True)):
         monkeypatch.setenv("RACKPLANE_EVENT_V1", value)
-        assert event_v1() is expected
+        assert Settings.from_env().event_v1 is expected
     monkeypatch.setenv("RACKPLANE_EVENT_V1", "maybe")
     with pytest.raises(ConfigError, match=r"^RACKPLANE_EVENT_V1='maybe': expected 1 or 0"):
-        event_v1()
-    assert env_flag("RACKPLANE_UNSET_FLAG", False) is False
+        Settings.from_env()
 
 
 async def test_a_recovery_at_the_release_before_v2_still_gets_every_event_and_repairs_a_reboot() -> None:

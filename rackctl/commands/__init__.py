@@ -5,8 +5,36 @@ order in which `rackctl --help` lists them.
 """
 
 # isort: off
-from rackctl.commands import silo, project, instance, pool, sled, sim, usage, events, dlq, chaos, check
+from rackctl.commands import (
+    silo,
+    project,
+    instance,
+    pool,
+    sled,
+    sim,
+    usage,
+    events,
+    dlq,
+    chaos,
+    check,
+    completion,
+    version,
+)
 
 # isort: on
 
-__all__ = ["chaos", "check", "dlq", "events", "instance", "pool", "project", "silo", "sim", "sled", "usage"]
+__all__ = [
+    "chaos",
+    "check",
+    "completion",
+    "dlq",
+    "events",
+    "instance",
+    "pool",
+    "project",
+    "silo",
+    "sim",
+    "sled",
+    "usage",
+    "version",
+]

@@ -89,6 +89,8 @@ class Command:
     help: str
     run: Runner
     options: tuple[Option, ...]
+    examples: tuple[str, ...] = ()
+    """Whole command lines (`rackctl ...`), each optionally followed by `  # what it does`."""
 
 
 COMMANDS: dict[tuple[str, ...], Command] = {}
@@ -96,15 +98,30 @@ GROUPS: dict[str, str] = {}
 """Help of each command group, by its words."""
 
 
-def command(words: str, help: str, *options: Option) -> Callable[[Runner], Runner]:
-    """Register `run` as `rackctl <words>`, with the arguments that `options` add to its parser."""
+def command(
+    words: str, help: str, *options: Option, examples: tuple[str, ...] = ()
+) -> Callable[[Runner], Runner]:
+    """Register `run` as `rackctl <words>`, with the arguments that `options` add to its parser and the
+    `examples` its help ends with (tests/test_cli_help.py parses every one)."""
 
     def register(run: Runner) -> Runner:
         key = tuple(words.split())
-        COMMANDS[key] = Command(key, help, run, options)
+        COMMANDS[key] = Command(key, help, run, options, tuple(examples))
         return run
 
     return register
+
+
+def epilog(examples: tuple[str, ...] | list[str]) -> str | None:
+    """The `examples:` section of a help text, as a shell would show it: each command line, after the
+    comment that says what it does."""
+    if not examples:
+        return None
+    out = ["examples:"]
+    for line in examples:
+        cmd, _, why = line.partition("  # ")
+        out += ([f"  # {why}"] if why else []) + [f"  $ {cmd}"]
+    return "\n".join(out)
 
 
 def group(words: str, help: str) -> None:

@@ -118,6 +118,11 @@ def _chaos_request(a: argparse.Namespace) -> ServiceFaults:
     "the options given replace those faults, the others stay; with none, show them (testing only)",
     _chaos_options,
     json_flag,
+    examples=(
+        "rackctl chaos accounting --delay 0.2 --duplicate 2  # what accounting sends: late, thrice",
+        "rackctl chaos status  # the faults of every service",
+        "rackctl chaos accounting --clear",
+    ),
 )
 async def chaos(ctx: Ctx) -> None:
     a = ctx.args

@@ -54,6 +54,10 @@ def _check_options(p: argparse.ArgumentParser) -> None:
     "hold, 1 with one line per violation",
     _check_options,
     json_flag,
+    examples=(
+        "rackctl check",
+        "rackctl check --no-at-rest --json  # from the database alone",
+    ),
 )
 async def check_invariants(ctx: Ctx) -> None:
     a = ctx.args

@@ -36,8 +36,12 @@ def _list_args(p: argparse.ArgumentParser) -> None:
     json_flag(p)
 
 
-@command("dlq list", "the dead letters, oldest first: sequence, time, service, consumer, subject, reason",
-         _list_args)  # fmt: skip
+@command(
+    "dlq list",
+    "the dead letters, oldest first: sequence, time, service, consumer, subject, reason",
+    _list_args,
+    examples=("rackctl dlq list", "rackctl dlq list --service accounting --since 2h"),
+)
 async def dlq_list(ctx: Ctx) -> None:
     a = ctx.args
     since = datetime.now(UTC) - timedelta(seconds=a.since) if a.since else None
@@ -55,7 +59,13 @@ def _seq_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("seq", type=count, metavar="SEQ", help="the dead letter's sequence (rackctl dlq list)")
 
 
-@command("dlq show", "one dead letter: its headers and its message", _seq_arg, json_flag)
+@command(
+    "dlq show",
+    "one dead letter: its headers and its message",
+    _seq_arg,
+    json_flag,
+    examples=("rackctl dlq show 42",),
+)
 async def dlq_show(ctx: Ctx) -> None:
     d = await _get(ctx, ctx.args.seq)
 
@@ -90,6 +100,7 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
     "publish a dead letter again on its original subject, then delete it (needs --yes, and the dlq-admin "
     "identity)",
     _replay_args,
+    examples=("rackctl dlq replay 42 --yes --context dlq-admin  # once what made it fail is fixed",),
 )
 async def dlq_replay(ctx: Ctx) -> None:
     a = ctx.args
@@ -112,7 +123,15 @@ def _purge_args(p: argparse.ArgumentParser) -> None:
     json_flag(p)
 
 
-@command("dlq purge", "delete dead letters: one, all, or those older than a time (needs --yes)", _purge_args)
+@command(
+    "dlq purge",
+    "delete dead letters: one, all, or those older than a time (needs --yes)",
+    _purge_args,
+    examples=(
+        "rackctl dlq purge 42 --yes --context dlq-admin",
+        "rackctl dlq purge --older-than 7d --yes --context dlq-admin",
+    ),
+)
 async def dlq_purge(ctx: Ctx) -> None:
     a = ctx.args
     if a.seq is None and not a.all and a.older_than is None:

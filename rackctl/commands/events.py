@@ -146,7 +146,16 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-@command("events follow", "print the events as they happen, until Ctrl-C", _follow_args)
+@command(
+    "events follow",
+    "print the events as they happen, until Ctrl-C",
+    _follow_args,
+    examples=(
+        "rackctl events follow",
+        "rackctl events follow --silo acme --since 10m  # acme's, from ten minutes ago",
+        "rackctl events follow --count 5 --json",
+    ),
+)
 async def events_follow(ctx: Ctx) -> None:
     a = ctx.args
     js = (await ctx.client()).nc.jetstream()

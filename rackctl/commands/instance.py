@@ -75,6 +75,11 @@ def _create_options(p: argparse.ArgumentParser) -> None:
     "create a (stopped) instance; with --from-pool, take a running VM from a warm pool",
     _create_options,
     json_flag,
+    examples=(
+        "rackctl instance create acme/web/frontend --cpus 4 --ram 8GiB --disk 40GiB",
+        "rackctl instance create acme/web/batch --cpus 2 --ram 4GiB --disk 10GiB --auto-restart never",
+        "rackctl instance create acme/web/checkout --from-pool acme/web/warm  # running at once",
+    ),
 )
 async def instance_create(ctx: Ctx) -> None:
     a, ref = ctx.args, ctx.args.instance
@@ -134,12 +139,30 @@ async def _instance_from_pool(ctx: Ctx, shape_given: list[str]) -> None:
     ctx.emit(data, human)
 
 
-@command("instance show", "show one instance", instance_arg, json_flag)
+@command(
+    "instance show",
+    "show one instance",
+    instance_arg,
+    json_flag,
+    examples=(
+        "rackctl instance show acme/web/frontend",
+        "rackctl instance show acme/web/frontend --json",
+    ),
+)
 async def instance_show(ctx: Ctx) -> None:
     ctx.emit(await (await ctx.client()).instance("show", *ctx.args.instance), _print_instance)
 
 
-@command("instance list", "list instances of the fleet, a silo or a project", scope_args, json_flag)
+@command(
+    "instance list",
+    "list instances of the fleet, a silo or a project",
+    scope_args,
+    json_flag,
+    examples=(
+        "rackctl instance list  # the whole fleet",
+        "rackctl instance list --project acme/web",
+    ),
+)
 async def instance_list(ctx: Ctx) -> None:
     silo, project = scope(ctx.args)
 
@@ -187,6 +210,11 @@ for _verb, _target in TARGETS.items():
         instance_arg,
         wait_flag,
         json_flag,
+        examples=(
+            f"rackctl instance {_verb} acme/web/frontend",
+            f"rackctl instance {_verb} acme/web/frontend --wait --timeout 120  # "
+            + (f"until it is {_target}, for up to 2 minutes" if _target else "until it is gone"),
+        ),
     )(functools.partial(instance_action, _verb))
 
 
@@ -199,7 +227,15 @@ def _migrate_options(p: argparse.ArgumentParser) -> None:
     json_flag(p)
 
 
-@command("instance migrate", "move a running instance to another sled without stopping it", _migrate_options)
+@command(
+    "instance migrate",
+    "move a running instance to another sled without stopping it",
+    _migrate_options,
+    examples=(
+        "rackctl instance migrate acme/web/frontend --wait  # to the least loaded sled",
+        "rackctl instance migrate acme/web/frontend --to sled-3",
+    ),
+)
 async def instance_migrate(ctx: Ctx) -> None:
     ref: Ref = ctx.args.instance
     client = await ctx.client()

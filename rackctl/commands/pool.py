@@ -29,6 +29,7 @@ def _pool_create_options(p: argparse.ArgumentParser) -> None:
     "create a warm pool: SIZE VMs of one shape kept booted in the project, each handed to one customer",
     _pool_create_options,
     json_flag,
+    examples=("rackctl pool create acme/web/warm --size 2 --cpus 2 --ram 4GiB --disk 20GiB",),
 )
 async def pool_create(ctx: Ctx) -> None:
     a, ref = ctx.args, ctx.args.pool
@@ -47,12 +48,24 @@ async def pool_create(ctx: Ctx) -> None:
     ctx.emit(data, lambda v: print(f"created pool {ref}: {_vms(v['target_size'])} of {shape_text(v)}"))
 
 
-@command("pool show", "show one warm pool: its shape, target size, and its VMs by state", pool_arg, json_flag)
+@command(
+    "pool show",
+    "show one warm pool: its shape, target size, and its VMs by state",
+    pool_arg,
+    json_flag,
+    examples=("rackctl pool show acme/web/warm",),
+)
 async def pool_show(ctx: Ctx) -> None:
     ctx.emit(await (await ctx.client()).pool("show", *ctx.args.pool), _print_pool)
 
 
-@command("pool list", "list the warm pools of the fleet, a silo or a project", scope_args, json_flag)
+@command(
+    "pool list",
+    "list the warm pools of the fleet, a silo or a project",
+    scope_args,
+    json_flag,
+    examples=("rackctl pool list --silo acme",),
+)
 async def pool_list(ctx: Ctx) -> None:
     silo, project = scope(ctx.args)
 
@@ -86,6 +99,7 @@ def _pool_resize_options(p: argparse.ArgumentParser) -> None:
     "change how many idle VMs a warm pool keeps (it boots or retires VMs to match)",
     _pool_resize_options,
     json_flag,
+    examples=("rackctl pool resize acme/web/warm --size 5",),
 )
 async def pool_resize(ctx: Ctx) -> None:
     ref = ctx.args.pool
@@ -101,6 +115,7 @@ async def pool_resize(ctx: Ctx) -> None:
     "delete a warm pool: its idle VMs are retired; the instances it handed out stay",
     pool_arg,
     json_flag,
+    examples=("rackctl pool delete acme/web/warm",),
 )
 async def pool_delete(ctx: Ctx) -> None:
     ref = ctx.args.pool

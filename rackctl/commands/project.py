@@ -16,6 +16,7 @@ group("project", "projects inside a silo")
     "create a project in a silo",
     lambda p: p.add_argument("project", type=project_path, metavar="SILO/PROJECT"),
     json_flag,
+    examples=("rackctl project create acme/web",),
 )
 async def project_create(ctx: Ctx) -> None:
     silo, name = ctx.args.project
@@ -28,6 +29,7 @@ async def project_create(ctx: Ctx) -> None:
     "list the projects of a silo",
     lambda p: p.add_argument("silo", type=silo_path, metavar="SILO"),
     json_flag,
+    examples=("rackctl project list acme",),
 )
 async def project_list(ctx: Ctx) -> None:
     def human(projects: list[dict[str, Any]]) -> None:

@@ -34,7 +34,16 @@ def _quota_text(q: dict[str, int | None] | None) -> str:
     )
 
 
-@command("silo create", "create a silo, optionally with quotas", _quota_options, json_flag)
+@command(
+    "silo create",
+    "create a silo, optionally with quotas",
+    _quota_options,
+    json_flag,
+    examples=(
+        "rackctl silo create acme  # no quota",
+        "rackctl silo create acme --cpus 16 --ram 64GiB --storage 1TiB  # with quotas",
+    ),
+)
 async def silo_create(ctx: Ctx) -> None:
     a = ctx.args
     quota = validated(
@@ -48,7 +57,15 @@ async def silo_create(ctx: Ctx) -> None:
     ctx.emit(data, lambda d: print(f"created silo {d['name']} ({_quota_text(d['quota'])})"))
 
 
-@command("silo list", "list silos and their quotas", json_flag)
+@command(
+    "silo list",
+    "list silos and their quotas",
+    json_flag,
+    examples=(
+        "rackctl silo list",
+        "rackctl silo list --json",
+    ),
+)
 async def silo_list(ctx: Ctx) -> None:
     def human(silos: list[dict[str, Any]]) -> None:
         rows = []

@@ -24,6 +24,7 @@ group("sim sled", "add, list, reboot, freeze, thaw, partition, heal or remove si
     "sim sled list",
     "list simulated sleds: boot number and id, VMMs, frozen or partitioned, faults",
     json_flag,
+    examples=("rackctl sim sled list",),
 )
 async def sim_sled_list(ctx: Ctx) -> None:
     def human(sleds: list[dict[str, Any]]) -> None:
@@ -50,7 +51,16 @@ def _sim_add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram", type=size, metavar="SIZE", help="RAM, e.g. 256GiB (default: 256GiB)")
 
 
-@command("sim sled add", "add a simulated sled (it joins the rack at once)", _sim_add_options, json_flag)
+@command(
+    "sim sled add",
+    "add a simulated sled (it joins the rack at once)",
+    _sim_add_options,
+    json_flag,
+    examples=(
+        "rackctl sim sled add  # 64 vCPUs, 256 GiB",
+        "rackctl sim sled add --cpus 32 --ram 128GiB",
+    ),
+)
 async def sim_sled_add(ctx: Ctx) -> None:
     given = {"vcpus": ctx.args.cpus, "ram_bytes": ctx.args.ram}
     body = validated(
@@ -97,7 +107,9 @@ async def sim_sled_action(verb: str, ctx: Ctx) -> None:
 
 
 for _verb, (_help, _) in SIM_VERBS.items():
-    command(f"sim sled {_verb}", _help, sled_arg, json_flag)(functools.partial(sim_sled_action, _verb))
+    command(f"sim sled {_verb}", _help, sled_arg, json_flag, examples=(f"rackctl sim sled {_verb} sled-0",))(
+        functools.partial(sim_sled_action, _verb)
+    )
 
 
 def _faults_options(p: argparse.ArgumentParser) -> None:
@@ -133,6 +145,11 @@ _FAULT_OPTIONS = {
     "set the faults a simulated sled injects, replacing its current ones; with no fault options, clear them",
     _faults_options,
     json_flag,
+    examples=(
+        "rackctl sim faults sled-0 --delay-state running --delay-seconds 5 --delay-count 1  # late, once",
+        "rackctl sim faults sled-0 --fail-starts  # every VMM it boots fails",
+        "rackctl sim faults sled-0  # clear them",
+    ),
 )
 async def sim_faults(ctx: Ctx) -> None:
     a = ctx.args

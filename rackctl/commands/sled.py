@@ -14,7 +14,15 @@ from rackctl.sizes import format_size
 group("sled", "the sleds of the rack")
 
 
-@command("sled list", "list sleds, their capacity and what is reserved on them", json_flag)
+@command(
+    "sled list",
+    "list sleds, their capacity and what is reserved on them",
+    json_flag,
+    examples=(
+        "rackctl sled list",
+        "rackctl sled list --json",
+    ),
+)
 async def sled_list(ctx: Ctx) -> None:
     def human(sleds: list[dict[str, Any]]) -> None:
         rows = [
@@ -44,6 +52,7 @@ def _expunge_options(p: argparse.ArgumentParser) -> None:
     "(and restart elsewhere by policy); irreversible, so it needs --yes",
     _expunge_options,
     json_flag,
+    examples=("rackctl sled expunge sled-4 --yes",),
 )
 async def sled_expunge(ctx: Ctx) -> None:
     sled = ctx.args.sled

@@ -37,6 +37,11 @@ GiB = 2**30
     "resource usage of the fleet, a silo or a project, against quotas",
     lambda p: scope_args(p, exclusive=True),
     json_flag,
+    examples=(
+        "rackctl usage  # the fleet",
+        "rackctl usage --silo acme",
+        "rackctl usage --project acme/web --json",
+    ),
 )
 async def usage(ctx: Ctx) -> None:
     silo, project = scope(ctx.args)
@@ -100,6 +105,10 @@ def _audit_options(p: argparse.ArgumentParser) -> None:
     "from its state: exit 0 when accounting holds what it should, 1 with one line per drift",
     _audit_options,
     json_flag,
+    examples=(
+        "rackctl usage audit  # the whole fleet",
+        "rackctl usage audit acme/web --settle 0  # one look, no waiting",
+    ),
 )
 async def usage_audit(ctx: Ctx) -> None:
     silo, project = ctx.args.scope or (None, None)
@@ -201,6 +210,10 @@ async def _history(ctx: Ctx) -> dict[str, Any]:
     _history_args,
     _buckets(24),
     json_flag,
+    examples=(
+        "rackctl usage history acme --since 7d",
+        "rackctl usage history fleet --since 30m --buckets 6",
+    ),
 )
 async def usage_history(ctx: Ctx) -> None:
     def human(h: dict[str, Any]) -> None:
@@ -225,6 +238,7 @@ async def usage_history(ctx: Ctx) -> None:
     _history_args,
     _buckets(120),
     lambda p: p.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="where to write it"),
+    examples=("rackctl usage plot acme --since 24h --out usage.png",),
 )
 async def usage_plot(ctx: Ctx) -> None:
     from rackctl.plot import save, usage_figure

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -101,7 +100,7 @@ async def usage(pool: asyncpg.Pool, body: UsageGet) -> dict[str, Any]:
 
 
 async def main(settings: Settings) -> None:
-    pool = await open_database(settings, SCHEMA, Path(__file__).parent / "migrations")
+    pool = await open_database(settings, SCHEMA)
     nc, js = await connect_bus(settings, SOURCE)
     relay = db.OutboxRelay(pool, js)
 

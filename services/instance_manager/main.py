@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -19,7 +18,7 @@ from services.instance_manager.pools import Keeper, Pools
 from services.instance_manager.prune import Pruner
 from services.instance_manager.start_saga import START
 from shared import bus, subjects
-from shared.config import Settings, prune_interval, retention
+from shared.config import Settings
 from shared.messages import Envelope, ProvisionOutcome, SledInventory, VmmReport
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
@@ -28,7 +27,7 @@ SCHEMA = "instance_manager"
 
 
 async def build(settings: Settings) -> App:
-    pool = await open_database(settings, SCHEMA, Path(__file__).parent / "migrations")
+    pool = await open_database(settings, SCHEMA)
     nc, js = await connect_bus(settings, SOURCE)
     app = App(pool, nc, js, settings.database_url)
     app.sagas.register(CREATE)
@@ -83,9 +82,8 @@ def consumers(app: App) -> list[bus.Consumer]:
 
 
 async def main(settings: Settings) -> None:
-    keep_for, prune_every = retention(), prune_interval()  # a bad setting stops the process before it starts
     app = await build(settings)
-    pruner = Pruner(app.pool, settings.database_url, keep_for, prune_every)
+    pruner = Pruner(app.pool, settings.database_url, settings.retention, settings.prune_interval)
     keeper = Keeper(app, settings.database_url)
     pools = Pools(app, keeper)
     await Commands(app, pools).serve()

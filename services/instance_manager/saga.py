@@ -31,7 +31,7 @@ from typing import Any
 import asyncpg
 
 from shared import telemetry
-from shared.config import env_float
+from shared.config import settings
 from shared.crash import crash_point
 from shared.db import queries
 
@@ -139,7 +139,7 @@ class Executor:
         return len(rows)
 
     async def resume_forever(self) -> None:
-        interval = env_float("RACKPLANE_SAGA_RESUME_INTERVAL", 2.0)
+        interval = settings().saga_resume_interval
         while True:
             try:
                 await self.resume()

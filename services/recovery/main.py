@@ -5,7 +5,6 @@ comes back with a new boot id."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -21,7 +20,7 @@ SCHEMA = "recovery"
 
 
 async def main(settings: Settings) -> None:
-    pool = await open_database(settings, SCHEMA, Path(__file__).parent / "migrations")
+    pool = await open_database(settings, SCHEMA)
     nc, js = await connect_bus(settings, SOURCE)
     reconciler = Reconciler(pool, nc, settings.database_url)
 

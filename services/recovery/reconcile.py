@@ -34,7 +34,7 @@ import asyncpg
 from nats.aio.client import Client as NATS
 
 from shared import bus, db, subjects, telemetry
-from shared.config import env_float, sled_unknown_after, transition_timeout, zombie_grace
+from shared.config import settings, sled_unknown_after, transition_timeout, zombie_grace
 from shared.messages import InstanceRestart, InstanceSettle, Model, VmmLost, VmmStuck, VmmZombie
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Reconciler:
     pool: asyncpg.Pool
     nc: NATS
     dsn: str
-    interval: float = field(default_factory=lambda: env_float("RACKPLANE_RECONCILE_INTERVAL", 10.0))
+    interval: float = field(default_factory=lambda: settings().reconcile_interval)
     zombie_grace: float = field(default_factory=zombie_grace)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: db.PassLock = field(init=False)

@@ -7,7 +7,6 @@ a pool of them up front). A sled without one cannot join: `rp.sim.sled.add` says
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -20,14 +19,9 @@ class NoCredential(Exception):
     pass
 
 
-def nkeys_dir() -> Path | None:
-    d = os.environ.get("RACKPLANE_SLED_NKEYS")
-    return Path(d) if d else None
-
-
-def seed_file(sled_id: str) -> Path | None:
-    """The sled's credential, or None when the broker asks for none (no RACKPLANE_SLED_NKEYS)."""
-    folder = nkeys_dir()
+def seed_file(sled_id: str, folder: Path | None) -> Path | None:
+    """The sled's credential in `folder` (RACKPLANE_SLED_NKEYS), or None when the broker asks for none (no
+    folder)."""
     if folder is None:
         return None
     path = folder / f"{sled_id}.nk"
@@ -40,7 +34,7 @@ def seed_file(sled_id: str) -> Path | None:
 
 
 async def connect(settings: Settings, sled_id: str) -> NATS:
-    seed = seed_file(sled_id)
+    seed = seed_file(sled_id, settings.sled_nkeys)
     return await bus.connect(
         settings.nats_url,
         f"sled-agent/{sled_id}",

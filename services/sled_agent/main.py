@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from nats.js import JetStreamContext
 from services.sled_agent import identity
 from services.sled_agent.sled import SOURCE, Sled, Timing
 from shared import bus, subjects
-from shared.config import Settings, env_float, env_int
+from shared.config import Settings
 from shared.messages import (
     Envelope,
     SimFaults,
@@ -42,13 +41,13 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 
 
-def timing_from_env() -> Timing:
+def timing_of(settings: Settings) -> Timing:
     return Timing(
-        start_delay=env_float("RACKPLANE_VMM_START_DELAY", 0.2),
-        stop_delay=env_float("RACKPLANE_VMM_STOP_DELAY", 0.1),
-        report_retry=env_float("RACKPLANE_REPORT_RETRY", 1.0),
-        migrate_delay=env_float("RACKPLANE_MIGRATE_DELAY", 0.3),
-        migrate_timeout=env_float("RACKPLANE_MIGRATE_TIMEOUT", 20.0),
+        start_delay=settings.vmm_start_delay,
+        stop_delay=settings.vmm_stop_delay,
+        report_retry=settings.report_retry,
+        migrate_delay=settings.migrate_delay,
+        migrate_timeout=settings.migrate_timeout,
     )
 
 
@@ -77,11 +76,11 @@ class Simulator:
         if self.sleds:
             log.info("resumed %d sleds from %s", len(self.sleds), self.state_dir)
             return
-        default = f"{env_int('RACKPLANE_SLED_VCPUS', 64)}:{env_int('RACKPLANE_SLED_RAM_GIB', 256)}"
-        shapes = [shape.split(":") for shape in os.environ.get("RACKPLANE_SLED_SHAPES", default).split(",")]
-        for i in range(env_int("RACKPLANE_SLEDS", 8)):
+        s = self.settings
+        shapes = s.sled_shapes or [(s.sled_vcpus, s.sled_ram_gib)]
+        for i in range(s.sleds):
             vcpus, ram_gib = shapes[i % len(shapes)]
-            await self.add(int(vcpus), int(ram_gib) * GiB)
+            await self.add(vcpus, ram_gib * GiB)
 
     async def add(self, vcpus: int, ram_bytes: int) -> Sled:
         n = max((int(s.removeprefix("sled-")) for s in self.sleds), default=-1) + 1
@@ -224,8 +223,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
 
 async def main(settings: Settings) -> None:
     nc, _ = await connect_bus(settings, SOURCE, identity="simulator")
-    state_dir = os.environ.get("RACKPLANE_SIM_STATE")
-    sim = Simulator(settings, timing_from_env(), Path(state_dir) if state_dir else None)
+    sim = Simulator(settings, timing_of(settings), settings.sim_state)
     await sim.load_or_create()
     for sled in sim.sleds.values():
         sim.start(sled)
@@ -233,4 +231,4 @@ async def main(settings: Settings) -> None:
     await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE)
     log.info("simulating %d sleds: %s", len(sim.sleds), ", ".join(sim.sleds))
-    await run_forever(inventory_loop(sim, env_float("RACKPLANE_INVENTORY_INTERVAL", 5.0)))
+    await run_forever(inventory_loop(sim, settings.inventory_interval))
