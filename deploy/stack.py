@@ -359,6 +359,9 @@ class Stack:
     postgres: Postgres | None = None
     services: dict[str, Service] = field(default_factory=dict)
     security: BrokerSecurity | None = None
+    http_ports: dict[str, int] = field(default_factory=dict)
+    """Each service process's HTTP endpoint (/metrics, /healthz, /readyz), by the key of `services`; also
+    written to `<dir>/http-ports.json`."""
 
     def start_infra(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -418,9 +421,22 @@ class Stack:
         """Start a service; `replica` names a second (third...) process of the same service, and `root` the
         source tree it runs (another release's, checked out elsewhere, beside this one's)."""
         key = replica or name
-        svc = Service(name, self.service_env(name), self.dir / f"{key}.log", root).start()
+        port = self.http_ports.get(key) or self._http_port(name, replica)
+        env = {**self.service_env(name), "RACKPLANE_HTTP_PORT": str(port)}
+        svc = Service(name, env, self.dir / f"{key}.log", root).start()
         self.services[key] = svc
+        self.http_ports[key] = port
+        (self.dir / "http-ports.json").write_text(json.dumps(self.http_ports, indent=2) + "\n")
         return svc
+
+    def _http_port(self, name: str, replica: str | None) -> int:
+        """From RACKPLANE_HTTP_PORT_BASE (`make run`: 9460, 9461... in the order of SERVICES), else, and for
+        a replica, a free one; a restarted process keeps its port."""
+        base = int(self.env.get("RACKPLANE_HTTP_PORT_BASE") or 0)
+        return base + SERVICES.index(name) if base and replica is None else free_port()
+
+    def http_url(self, key: str, path: str = "/metrics") -> str:
+        return f"http://127.0.0.1:{self.http_ports[key]}{path}"
 
     def start(self, wait: bool = True) -> Stack:
         self.start_infra()
@@ -497,6 +513,7 @@ def main() -> None:
         "RACKPLANE_PG_PORT": os.environ.get("RACKPLANE_PG_PORT", "5433"),
         "RACKPLANE_FAULTS": os.environ.get("RACKPLANE_FAULTS", ""),  # make run FAULTS=1
         "RACKPLANE_TLS": os.environ.get("RACKPLANE_TLS", ""),  # make run TLS=1
+        "RACKPLANE_HTTP_PORT_BASE": os.environ.get("RACKPLANE_HTTP_PORT_BASE", "9460"),
     }
     faults = env["RACKPLANE_FAULTS"] not in ("", "0")
     stack = Stack(args.dir, os.environ.get("NATS_URL"), os.environ.get("DATABASE_URL"), env)
@@ -525,7 +542,10 @@ def main() -> None:
         else:
             print("  Postgres  from DATABASE_URL")
         for name, svc in stack.services.items():
-            print(f"  {name:<17} pid {svc.proc.pid if svc.proc else '-'}, log {svc.log_path}")
+            print(
+                f"  {name:<17} pid {svc.proc.pid if svc.proc else '-'}, log {svc.log_path}, "
+                f"metrics {stack.http_url(name)}"
+            )
         if stack.security:
             print(f"  rackctl   context {context} ({'test' if faults else 'console'} identity)")
             print("            contexts dlq-admin (rackctl --context dlq-admin dlq replay) and events-reader")

@@ -30,8 +30,20 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
+from opentelemetry.semconv._incubating.attributes.messaging_attributes import (
+    MESSAGING_BATCH_MESSAGE_COUNT,
+    MESSAGING_CONSUMER_GROUP_NAME,
+    MESSAGING_DESTINATION_TEMPLATE,
+    MESSAGING_MESSAGE_BODY_SIZE,
+    MESSAGING_MESSAGE_ID,
+    MESSAGING_SYSTEM,
+)
+from opentelemetry.semconv._incubating.attributes.messaging_attributes import (
+    MessagingOperationTypeValues as Op,
+)
+from opentelemetry.semconv._incubating.metrics.messaging_metrics import MESSAGING_PROCESS_DURATION
 
-from shared import subjects, telemetry
+from shared import metrics, subjects, telemetry
 from shared.config import ack_wait as ack_wait_default
 from shared.crash import crash_point
 from shared.errors import transient
@@ -202,7 +214,9 @@ async def publish(
     js: JetStreamContext, subject: str, body: Model, *, source: str, key: str | None = None
 ) -> api.PubAck:
     env = envelope(body, source, msg_id_for(key) if key else None)
-    with telemetry.span(f"send {subject}", **{"messaging.destination.name": subject}):
+    with telemetry.messaging_span(
+        subject, Op.SEND, telemetry.SpanKind.PRODUCER, **{MESSAGING_MESSAGE_ID: str(env.id)}
+    ):
         if FAULTS.active:
             return await FAULTS.publish(js, subject, encode(env), headers_for(env))
         return await js.publish(subject, encode(env), headers=headers_for(env))
@@ -271,6 +285,7 @@ class Consumer:
                     sub = await self._subscribe()
                 msgs = await sub.fetch(self.batch, timeout=1.0)
             except TimeoutError:  # nothing to fetch (nats-py may raise a bare one when its deadline ran out)
+                self._pending([])
                 continue
             except asyncio.CancelledError:
                 raise
@@ -278,6 +293,7 @@ class Consumer:
                 sub = None
                 await self._fetch_failed(e)
                 continue
+            self._pending(msgs)
             for msg in msgs:
                 if FAULTS.active and FAULTS.slows(msg):  # so that its redelivery overtakes it: see faults.py
                     task = asyncio.create_task(self.handle(msg))
@@ -290,7 +306,7 @@ class Consumer:
         """The broker is restarting, the consumer is gone or the connection closed: say so, count it and
         wait a little; the caller subscribes anew."""
         log.warning("%s/%s: fetch failed (%s); retrying", self.service, self.durable, e)
-        telemetry.count(f"{self.durable}.fetch_errors")
+        telemetry.count("fetch_errors", consumer=self.durable)
         await asyncio.sleep(0.5)
 
     async def _admit(self, msg: Msg) -> tuple[Envelope, Any] | None:
@@ -310,10 +326,19 @@ class Consumer:
             return
         env, body = admitted
         try:
-            with telemetry.span(
-                f"process {msg.subject}",
-                msg.headers,
-                **{"messaging.destination.name": msg.subject, "messaging.message.id": str(env.id)},
+            with (
+                metrics.timed(MESSAGING_PROCESS_DURATION, **self._metric_attributes(msg)),
+                telemetry.messaging_span(
+                    msg.subject,
+                    Op.PROCESS,
+                    telemetry.SpanKind.CONSUMER,
+                    msg.headers,
+                    **{
+                        MESSAGING_MESSAGE_ID: str(env.id),
+                        MESSAGING_CONSUMER_GROUP_NAME: self.durable,
+                        MESSAGING_MESSAGE_BODY_SIZE: len(msg.data or b""),
+                    },
+                ),
             ):
                 if FAULTS.active:
                     await FAULTS.before_handler(msg)
@@ -322,7 +347,7 @@ class Consumer:
             await self._dead_letter(msg, r.reason)
             return
         except Retry as r:
-            telemetry.count(f"{self.durable}.retried")
+            telemetry.count("retried", consumer=self.durable)
             await _settle(msg.nak(delay=r.delay))
             return
         except asyncio.CancelledError:
@@ -334,13 +359,27 @@ class Consumer:
             return  # held back on purpose: JetStream redelivers it after ack_wait
         crash_point(f"after-commit:{self.durable}")
         await _settle(msg.ack())
+        telemetry.count("handled", consumer=self.durable)
+
+    def _metric_attributes(self, msg: Msg) -> dict[str, str]:
+        """A handler duration's attributes: few values each, so the histogram stays small."""
+        return {
+            MESSAGING_SYSTEM: telemetry.NATS,
+            MESSAGING_CONSUMER_GROUP_NAME: self.durable,
+            MESSAGING_DESTINATION_TEMPLATE: subjects.template(msg.subject),
+        }
+
+    def _pending(self, msgs: list[Msg]) -> None:
+        """Consumer lag: how many messages the broker still holds for this consumer after the last one
+        fetched (each JetStream message carries it), none once a fetch found nothing."""
+        metrics.gauge("pending", msgs[-1].metadata.num_pending if msgs else 0, consumer=self.durable)
 
     async def _failed(self, msg: Msg, e: Exception) -> None:
         """The handler raised: retry while the infrastructure is away, else a few times, then dead-letter."""
         delivered = msg.metadata.num_delivered
         if transient(e):  # the database or broker is away: retry for as long as it takes
             log.warning("%s/%s: handler waits for the infrastructure: %s", self.service, self.durable, e)
-            telemetry.count(f"{self.durable}.transient_errors")
+            telemetry.count("transient_errors", consumer=self.durable)
             await _settle(msg.nak(delay=min(0.1 * 2**delivered, 2.0)))
             return
         log.error("%s/%s: handler failed (delivery %d)", self.service, self.durable, delivered, exc_info=e)
@@ -369,7 +408,7 @@ class Consumer:
             await _settle(msg.nak(delay=1.0))
             return
         log.warning("%s/%s: dead-lettered %s: %s", self.service, self.durable, msg.subject, reason)
-        telemetry.count(f"{self.durable}.dead_lettered")
+        telemetry.count("dead_lettered", consumer=self.durable)
         await _settle(msg.term())
 
 
@@ -422,6 +461,7 @@ class BatchConsumer(Consumer):
                     pending = asyncio.ensure_future(sub.fetch(self.batch, timeout=1.0))
                 except TimeoutError:
                     pending = None
+                    self._pending([])
                     continue
                 except asyncio.CancelledError:
                     raise
@@ -429,6 +469,7 @@ class BatchConsumer(Consumer):
                     sub, pending = None, None
                     await self._fetch_failed(e)
                     continue
+                self._pending(msgs)
                 await self.handle_batch(msgs)
         finally:
             if pending is not None:
@@ -454,14 +495,20 @@ class BatchConsumer(Consumer):
         await self._apply([d])
 
     async def _apply(self, batch: list[Delivery]) -> None:
+        first = batch[0].msg
         try:
-            with telemetry.span(
-                f"process {self.filter_subject}",
-                batch[0].msg.headers,
-                **{
-                    "messaging.destination.name": self.filter_subject,
-                    "messaging.batch.message_count": len(batch),
-                },
+            with (
+                metrics.timed(MESSAGING_PROCESS_DURATION, **self._metric_attributes(first)),
+                telemetry.messaging_span(
+                    first.subject,
+                    Op.PROCESS,
+                    telemetry.SpanKind.CONSUMER,
+                    first.headers,
+                    **{
+                        MESSAGING_BATCH_MESSAGE_COUNT: len(batch),
+                        MESSAGING_CONSUMER_GROUP_NAME: self.durable,
+                    },
+                ),
             ):
                 await self.batch_handler(batch)
         except asyncio.CancelledError:
@@ -471,7 +518,7 @@ class BatchConsumer(Consumer):
                 e
             ):  # the database or broker is away: the whole batch is retried, for as long as it takes
                 log.warning("%s/%s: batch waits for the infrastructure: %s", self.service, self.durable, e)
-                telemetry.count(f"{self.durable}.transient_errors")
+                telemetry.count("transient_errors", consumer=self.durable)
                 for d in batch:
                     await _settle(d.msg.nak(delay=min(0.1 * 2**d.msg.metadata.num_delivered, 2.0)))
                 return
@@ -481,21 +528,22 @@ class BatchConsumer(Consumer):
             log.warning(
                 "%s/%s: batch of %d failed (%s); splitting it", self.service, self.durable, len(batch), e
             )
-            telemetry.count(f"{self.durable}.batch_splits")
+            telemetry.count("batch_splits", consumer=self.durable)
             half = len(batch) // 2
             await self._apply(batch[:half])
             await self._apply(batch[half:])
             return
         crash_point(f"after-commit:{self.durable}")
-        telemetry.count(f"{self.durable}.batches")
+        telemetry.count("batches", consumer=self.durable)
         for d in batch:
             if isinstance(d.refused, Reject):
                 await self._dead_letter(d.msg, d.refused.reason)
             elif isinstance(d.refused, Retry):
-                telemetry.count(f"{self.durable}.retried")
+                telemetry.count("retried", consumer=self.durable)
                 await _settle(d.msg.nak(delay=d.refused.delay))
             elif not (FAULTS.active and FAULTS.holds_ack(d.msg)):  # a held ack: redelivered after ack_wait
                 await _settle(d.msg.ack())
+                telemetry.count("handled", consumer=self.durable)
 
 
 async def _settle(op: Awaitable[None]) -> None:
@@ -545,8 +593,13 @@ async def serve(
                     raise CommandError(
                         "forbidden", f"command for silo {named!r} sent on the subject of {token!r}"
                     )
-            with telemetry.span(
-                f"process {msg.subject}", msg.headers, **{"messaging.message.id": str(env.id)}
+            with telemetry.messaging_span(
+                msg.subject,
+                Op.PROCESS,
+                telemetry.SpanKind.SERVER,
+                msg.headers,
+                **{MESSAGING_MESSAGE_ID: str(env.id)},
+                **({MESSAGING_CONSUMER_GROUP_NAME: queue} if queue else {}),
             ):
                 data = await handlers[type(body)](body, msg)
             reply = Reply(ok=True, data=data)
@@ -600,7 +653,9 @@ async def request(nc: NATS, subject: str, body: Model, *, source: str, timeout: 
     env = envelope(body, source)
     denials = _DENIALS.get(nc)
     try:
-        with telemetry.span(f"send {subject}", **{"messaging.destination.name": subject}):
+        with telemetry.messaging_span(
+            subject, Op.SEND, telemetry.SpanKind.CLIENT, **{MESSAGING_MESSAGE_ID: str(env.id)}
+        ):
             call = nc.request(subject, encode(env), timeout=timeout, headers=headers_for(env))
             if denials is None:
                 msg = await call

@@ -8,7 +8,6 @@ two equal).
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import sys
@@ -110,6 +109,19 @@ def _traces(raw: str) -> str:
     raise ValueError("expected none, console, otlp or file:PATH")
 
 
+def _port(raw: Any) -> int:
+    text = str(raw).strip()
+    if not text.isdigit() or int(text) > 65535:
+        raise ValueError("expected a port number from 0 to 65535")
+    return int(text)
+
+
+def _log_format(raw: str) -> str:
+    if raw.strip().lower() in ("text", "json"):
+        return raw.strip().lower()
+    raise ValueError("expected text or json")
+
+
 def _level(raw: str) -> str:
     if raw.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         return raw.upper()
@@ -152,6 +164,20 @@ class Settings(BaseSettings):
         "RACKPLANE_TRACES",
         "none",
         "`console`, `otlp` (standard `OTEL_EXPORTER_OTLP_*` settings), `file:PATH` (JSON lines)",
+    )
+    log_format: Annotated[str, BeforeValidator(_log_format)] = _var(
+        "RACKPLANE_LOG_FORMAT",
+        "text",
+        "`json`: one JSON object a line, with the trace and span ids (see [Observability](#observability))",
+    )
+    http_port: Annotated[int, BeforeValidator(_port)] = _var(
+        "RACKPLANE_HTTP_PORT",
+        0,
+        "the port of the process's `/metrics`, `/healthz` and `/readyz`; `0`: one the system picks (logged, "
+        "and in the stats reply)",
+    )
+    http_host: str = _var(
+        "RACKPLANE_HTTP_HOST", "127.0.0.1", "the address they listen on (`0.0.0.0` in docker-compose.yml)"
     )
     event_v1: Flag = _var(
         "RACKPLANE_EVENT_V1",
@@ -320,13 +346,6 @@ def _one_line(e: ValidationError) -> str:
 def settings() -> Settings:
     """This process's settings, read once (service.run reads them first, so a bad value stops it at once)."""
     return Settings.from_env()
-
-
-def setup_logging(service: str, level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
-    )
 
 
 # What several modules read, by name: recovery acts on these timings, and instance-manager shows them (an

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -18,8 +19,25 @@ from typing import Any
 
 import asyncpg
 from nats.js import JetStreamContext
+from opentelemetry import trace
+from opentelemetry.semconv._incubating.attributes.messaging_attributes import (
+    MESSAGING_BATCH_MESSAGE_COUNT,
+    MESSAGING_MESSAGE_ID,
+    MessagingOperationTypeValues,
+)
+from opentelemetry.semconv.attributes.db_attributes import (
+    DB_NAMESPACE,
+    DB_OPERATION_NAME,
+    DB_QUERY_SUMMARY,
+    DB_QUERY_TEXT,
+    DB_SYSTEM_NAME,
+    DbSystemNameValues,
+)
+from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
+from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS, SERVER_PORT
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from shared import telemetry
+from shared import metrics, telemetry
 from shared.bus import MSG_ID, headers_for, msg_id_for
 from shared.faults import FAULTS
 from shared.messages import Model, encode, envelope
@@ -30,12 +48,18 @@ SHARED_SQL = Path(__file__).parent / "sql"
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.M)
 
 
+_QUERY_NAMES: dict[str, str] = {}
+"""A named query's text -> its name, for the name of its span."""
+
+
 @cache
 def queries(path: Path) -> dict[str, str]:
     """Named queries of a .sql file: each starts with a `-- name: NAME` line."""
     text = path.read_text()
     parts = _NAME.split(text)
-    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    named = {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    _QUERY_NAMES.update({body: name for name, body in named.items()})
+    return named
 
 
 def _json(value: Any) -> str:
@@ -44,6 +68,49 @@ def _json(value: Any) -> str:
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=_json, decoder=json.loads, schema="pg_catalog")
+    if telemetry.tracing():
+        conn.add_query_logger(_query_span)
+
+
+_FIRST_WORD = re.compile(r"\s*(?:--[^\n]*\n\s*)*([A-Za-z]+)")
+
+
+def _query_span(q: Any) -> None:
+    """A CLIENT span for one query that just ran (asyncpg's query logger, an `asyncpg.LoggedQuery`), in
+    the span that ran it; a query outside any span (a poll of the outbox, a migration) makes none, since
+    a trace follows an operation.
+
+    asyncpg calls its loggers soon after the query, in a copy of the query's context, so the span has
+    the span that ran the query as its parent; it is made after the fact, with the query's own timing.
+    There is no OpenTelemetry instrumentation of asyncpg for this SDK's version, so these spans are made
+    here, with the database conventions' attributes.
+    """
+    if not trace.get_current_span().get_span_context().is_valid:
+        return
+    end = time.time_ns()
+    operation = m[1].upper() if (m := _FIRST_WORD.match(q.query)) else "QUERY"
+    database = getattr(q.conn_params, "database", None) or ""
+    summary = _QUERY_NAMES.get(q.query)
+    attributes: dict[str, Any] = {
+        DB_SYSTEM_NAME: DbSystemNameValues.POSTGRESQL.value,
+        DB_NAMESPACE: database,
+        DB_OPERATION_NAME: operation,
+        DB_QUERY_TEXT: q.query,
+    }
+    if summary:
+        attributes[DB_QUERY_SUMMARY] = summary
+    if isinstance(q.conn_addr, tuple):
+        attributes[SERVER_ADDRESS], attributes[SERVER_PORT] = q.conn_addr[0], q.conn_addr[1]
+    span = telemetry.tracer.start_span(
+        summary or f"{operation} {database}".strip(),
+        kind=SpanKind.CLIENT,
+        attributes=attributes,
+        start_time=end - int(q.elapsed * 1e9),
+    )
+    if q.exception is not None:
+        span.set_attribute(ERROR_TYPE, type(q.exception).__qualname__)
+        span.set_status(Status(StatusCode.ERROR, str(q.exception)))
+    span.end(end_time=end)
 
 
 async def create_pool(dsn: str, schema: str, *, min_size: int = 0, max_size: int = 10) -> asyncpg.Pool:
@@ -258,9 +325,17 @@ OUTBOX = SHARED_SQL / "outbox.sql"
 async def enqueue(
     conn: asyncpg.Connection, subject: str, body: Model, *, source: str, key: str | None = None
 ) -> None:
-    """Write a message to publish once the caller's transaction commits. `key` makes its id stable."""
+    """Write a message to publish once the caller's transaction commits. `key` makes its id stable.
+
+    Its `create` span (PRODUCER) is the context the message carries: the consumer's span is its child."""
     env = envelope(body, source, msg_id_for(key) if key else None)
-    await conn.execute(queries(OUTBOX)["enqueue"], env.id, subject, encode(env), headers_for(env))
+    with telemetry.messaging_span(
+        subject,
+        MessagingOperationTypeValues.CREATE,
+        SpanKind.PRODUCER,
+        **{MESSAGING_MESSAGE_ID: str(env.id)},
+    ):
+        await conn.execute(queries(OUTBOX)["enqueue"], env.id, subject, encode(env), headers_for(env))
 
 
 async def enqueue_many(
@@ -273,13 +348,19 @@ async def enqueue_many(
     envs = [
         (subject, envelope(body, source, msg_id_for(key) if key else None)) for subject, body, key in messages
     ]
-    await conn.execute(
-        queries(OUTBOX)["enqueue_many"],
-        [e.id for _, e in envs],
-        [subject for subject, _ in envs],
-        [encode(e) for _, e in envs],
-        telemetry.inject({}),
-    )
+    with telemetry.messaging_span(
+        envs[0][0],
+        MessagingOperationTypeValues.CREATE,
+        SpanKind.PRODUCER,
+        **{MESSAGING_BATCH_MESSAGE_COUNT: len(envs)},
+    ):
+        await conn.execute(
+            queries(OUTBOX)["enqueue_many"],
+            [e.id for _, e in envs],
+            [subject for subject, _ in envs],
+            [encode(e) for _, e in envs],
+            telemetry.inject({}),
+        )
 
 
 class OutboxRelay:
@@ -295,6 +376,11 @@ class OutboxRelay:
         self.js = js
         self.batch = batch
         self.wake = asyncio.Event()
+        metrics.sampler(self.sample_depth)
+
+    async def sample_depth(self) -> None:
+        """The outbox's depth (rows committed, not yet published), for /metrics and stats."""
+        metrics.gauge("outbox.depth", await self.pool.fetchval(queries(OUTBOX)["pending"]))
 
     def kick(self) -> None:
         self.wake.set()

@@ -1,5 +1,5 @@
-"""What every service process does around its own work: settings, logging, tracing, connections,
-the task group, and a clean stop on SIGTERM / SIGINT."""
+"""What every service process does around its own work: settings, logging, tracing, metrics, the HTTP
+endpoint (metrics and health), connections, the task group, and a clean stop on SIGTERM / SIGINT."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
 
-from shared import telemetry
-from shared.config import ConfigError, Settings, settings, setup_logging
+from shared import endpoint, logs, metrics, telemetry
+from shared.config import ConfigError, Settings, settings
 from shared.db import MigrationError
 
 log = logging.getLogger(__name__)
@@ -24,10 +24,20 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
         given = settings()
     except ConfigError as e:
         raise SystemExit(f"{service}: {e}") from None
-    setup_logging(service, given.log_level)
+    logs.setup(service, given.log_level, given.log_format)
     telemetry.setup_tracing(service, given.traces)
+    metrics.setup(service)
 
     async def supervise() -> None:
+        host, port = given.http_host, given.http_port
+        try:
+            server = await endpoint.serve(host, port)
+        except OSError as e:
+            raise SystemExit(
+                f"{service}: RACKPLANE_HTTP_PORT={port}: cannot listen on {host}:{port}: {e.strerror}"
+            ) from None
+        HTTP["port"] = endpoint.bound_port(server)
+        log.info("%s: metrics and health on http://%s:%d", service, host, HTTP["port"])
         task = asyncio.create_task(main(given))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -35,6 +45,7 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
         loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
         with suppress(asyncio.CancelledError):
             await task
+        server.close()
         log.info("%s stopped", service)
 
     try:
@@ -49,6 +60,10 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
 
 class Migrated(Exception):
     """RACKPLANE_MIGRATE=only: the schema is current and the process has nothing more to do (exit 0)."""
+
+
+HTTP: dict[str, int] = {}
+"""The port the process's HTTP endpoint listens on, once it does."""
 
 
 def dump_tasks() -> None:
@@ -73,17 +88,26 @@ async def run_forever(*coros: Awaitable[None]) -> None:
 async def serve_stats(
     nc: Any, service: str, extra: Callable[[], Awaitable[dict[str, Any]]] | None = None
 ) -> None:
-    """Answer `rp.svc.<service>.stats` with the process's counters (and `extra`, if given)."""
+    """Answer `rp.svc.<service>.stats` with the process's counters and gauges (and `extra`, if given): the
+    numbers `/metrics` exports (shared/metrics.py). Called once the service is set up, it also makes the
+    service ready (`/readyz`)."""
     from shared import bus, subjects
     from shared.messages import StatsGet
 
     async def answer(body: StatsGet, msg: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {"service": service, "counters": dict(telemetry.COUNTERS)}
+        await metrics.sample()
+        out: dict[str, Any] = {
+            "service": service,
+            "counters": dict(metrics.COUNTERS),
+            "gauges": dict(metrics.GAUGES),
+            "http_port": HTTP.get("port"),
+        }
         if extra is not None:
             out.update(await extra())
         return out
 
     await bus.serve(nc, subjects.stats(service), {StatsGet: answer}, queue=service, check_silo=False)
+    endpoint.serving = True
 
 
 async def serve_faults(nc: Any, service: str) -> None:
@@ -127,6 +151,12 @@ async def connect_bus(settings: Settings, service: str, identity: str | None = N
         inbox_prefix=subjects.inbox_prefix(identity or service),
         ca_file=settings.nats_ca_file,
     )
+
+    async def connected() -> None:
+        if not nc.is_connected:
+            raise ConnectionError("not connected" if not nc.is_closed else "connection closed")
+
+    endpoint.check("nats", connected)
     return nc, nc.jetstream()
 
 
@@ -154,4 +184,9 @@ async def open_database(settings: Settings, schema: str) -> Any:
     except BaseException:
         await pool.close()
         raise
+
+    async def answers() -> None:
+        await pool.fetchval("SELECT 1", timeout=endpoint.TIMEOUT)
+
+    endpoint.check("database", answers)
     return pool

@@ -172,3 +172,34 @@ def inbox_prefix(identity: str) -> str:
     """An identity's private reply inbox (`nats.connect(inbox_prefix=...)`): its permissions let it, and
     no one else, read the replies sent there (deploy/identities.py)."""
     return f"_INBOX_{identity}"
+
+
+# --- templates: a subject with its variable tokens named, for span names and low-cardinality attributes --
+
+_SHAPES: tuple[str, ...] = (
+    command("{silo}", "*", "*"),
+    sled_command("{sled}", ">"),
+    sled_report("{sled}", ">"),
+    provision_delta("{silo}", "{project}", "{instance}"),
+    delta_partition("{partition}").removesuffix(">")
+    + provision_delta("{silo}", "{project}", "{instance}").removeprefix("rp.acct.delta."),
+    event_pattern("{silo}"),
+)
+"""The shapes of subjects whose tokens name a silo, a sled, a project, an instance or a partition, made
+by the functions above: `{name}` is a variable token, `*` a token kept as it is, `>` the rest kept."""
+
+
+def template(subject: str) -> str:
+    """`subject` with its variable tokens named, e.g. `rp.sled.{sled}.cmd.vmm.ensure` for
+    `rp.sled.sled-3.cmd.vmm.ensure`; a subject of no such shape (stats, dead letters, the simulator's)
+    has none, and is its own template."""
+    tokens = subject.split(".")
+    for shape in _SHAPES:
+        parts = shape.split(".")
+        if parts[-1] == ">" and len(tokens) >= len(parts):
+            parts = parts[:-1] + ["*"] * (len(tokens) - len(parts) + 1)
+        if len(parts) != len(tokens):
+            continue
+        if all(want[0] == "{" or want in ("*", got) for want, got in zip(parts, tokens, strict=True)):
+            return ".".join(want if want[0] == "{" else got for want, got in zip(parts, tokens, strict=True))
+    return subject

@@ -152,6 +152,17 @@ def test_service_reaches_nats_and_postgres_by_service_name(compose: dict[str, An
 
 
 @pytest.mark.parametrize("module", SERVICES)
+def test_service_is_healthy_when_its_readyz_says_so(compose: dict[str, Any], module: str) -> None:
+    """Each service's healthcheck asks its own /readyz, on the port and address its environment sets."""
+    svc = compose["services"][compose_name(module)]
+    env = environment_of(svc)
+    assert env["RACKPLANE_HTTP_HOST"] == "0.0.0.0"
+    test = " ".join(svc["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{env['RACKPLANE_HTTP_PORT']}/readyz" in test
+    assert svc["healthcheck"]["test"][:3] == ["CMD", "python", "-c"]
+
+
+@pytest.mark.parametrize("module", SERVICES)
 def test_service_connects_with_its_own_identity(compose: dict[str, Any], module: str) -> None:
     from deploy.security import SERVICE_IDENTITY
 

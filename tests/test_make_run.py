@@ -13,10 +13,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from deploy.stack import ROOT, free_port
+from deploy.stack import ROOT, SERVICES, free_port
 
 
 def test_make_run_starts_and_stops_the_stack() -> None:
@@ -29,6 +30,7 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         "RACKPLANE_NATS_PORT": str(nats_port),
         "RACKPLANE_PG_PORT": str(pg_port),
         "RACKPLANE_INVENTORY_INTERVAL": "1",
+        "RACKPLANE_HTTP_PORT_BASE": "0",  # free ports, not 9460...: another stack may hold those
     }
     for name in ("NATS_URL", "DATABASE_URL", "RACKCTL_CONTEXT", "RACKPLANE_IDENTITIES"):
         env.pop(name, None)  # make run makes its own identities, and rackctl finds its default context
@@ -75,6 +77,14 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         while len(sleds()) < 8 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(sleds()) == 8
+
+        # each service's metrics and health endpoint, where the stack printed and recorded it
+        ports = json.loads((home / "http-ports.json").read_text())
+        assert sorted(ports) == sorted(SERVICES)
+        for name, port in ports.items():
+            assert f"metrics http://127.0.0.1:{port}/metrics" in output
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+                assert r.status == 200, name
 
         def rackctl(*args: str) -> subprocess.CompletedProcess[str]:
             cmd = [sys.executable, "-m", "rackctl.main", *args]

@@ -131,3 +131,29 @@ def test_documented_shapes_match_the_builders(doc: str) -> None:
         "rp.sim.<verb>",
     ):
         assert shape in doc, f"subject shape {shape} is not in {DOC.name}"
+
+
+@pytest.mark.parametrize(
+    ("subject", "template"),
+    [
+        (subjects.command("acme", "instance", "start"), subjects.command("{silo}", "instance", "start")),
+        (subjects.command(None, "vmm", "lost"), subjects.command("{silo}", "vmm", "lost")),
+        (subjects.sled_command("sled-3", "vmm.ensure"), subjects.sled_command("{sled}", "vmm.ensure")),
+        (subjects.sled_report("sled-3", "inventory"), subjects.sled_report("{sled}", "inventory")),
+        (
+            subjects.provision_delta("acme", "web", "i-1"),
+            subjects.provision_delta("{silo}", "{project}", "{instance}"),
+        ),
+        ("rp.acct.part.2.acme.web.i-1", "rp.acct.part.{partition}.{silo}.{project}.{instance}"),
+        (subjects.event("acme", "instance", "changed"), subjects.event("{silo}", "instance", "changed")),
+        (subjects.event(None, "sled", "changed"), subjects.event("{silo}", "sled", "changed")),
+        (subjects.event("acme", "instance", "changed", 2), "rp.evt.{silo}.instance.changed.v2"),
+        (subjects.stats("accounting"), subjects.stats("accounting")),
+        (subjects.dead_letter("accounting", "x"), subjects.dead_letter("accounting", "x")),
+        (subjects.sim_control("sled.reboot"), subjects.sim_control("sled.reboot")),
+    ],
+)
+def test_a_subject_template_names_its_variable_tokens(subject: str, template: str) -> None:
+    """Span names and metric attributes use the template: the shape the subject functions make, with the
+    silo, sled, project, instance and partition named instead of given."""
+    assert subjects.template(subject) == template

@@ -60,5 +60,30 @@ async def test_one_trace_spans_a_start_from_the_cli_through_every_service(
     in_trace = [s for s in spans(path) if s["trace_id"] == trace_id]
     names = {s["name"] for s in in_trace}
     assert any(n.startswith("saga instance-start charge") for n in names)
-    assert any(n.startswith("process rp.acct.part.") for n in names)
-    assert any(n.startswith("process rp.sled.") and ".cmd.vmm.ensure" in n for n in names)
+    # messaging spans are named by the subject's template, with the kind of their part in the exchange
+    kinds = {(s["service"], s["name"]): s["kind"] for s in in_trace}
+    assert kinds[("rackctl", "send rp.cmd.{silo}.instance.start")] == "CLIENT"
+    assert kinds[("instance-manager", "process rp.cmd.{silo}.instance.start")] == "SERVER"
+    assert kinds[("sled-agent", "process rp.sled.{sled}.cmd.vmm.ensure")] == "CONSUMER"
+    assert kinds[("accounting", "process rp.acct.part.{partition}.{silo}.{project}.{instance}")] == "CONSUMER"
+    assert "PRODUCER" in {k for (service, _), k in kinds.items() if service == "instance-manager"}
+    ensure = next(s for s in in_trace if s["name"] == "process rp.sled.{sled}.cmd.vmm.ensure")
+    attrs = ensure["attributes"]
+    assert attrs["messaging.system"] == "nats"
+    assert attrs["messaging.operation.type"] == "process"
+    assert attrs["messaging.destination.template"] == "rp.sled.{sled}.cmd.vmm.ensure"
+    assert attrs["messaging.destination.name"].startswith("rp.sled.sled-")
+    assert attrs["messaging.consumer.group.name"].startswith("sled-agent-sled-")
+    assert attrs["messaging.message.id"]
+    sent = {s["span_id"]: s for s in in_trace if s["kind"] == "PRODUCER"}
+    assert ensure["parent_id"] in sent  # the consumer's span is a child of the message's producer span
+    assert (
+        sent[ensure["parent_id"]]["attributes"]["messaging.destination.name"]
+        == attrs["messaging.destination.name"]
+    )
+    # every service with a database shows its queries, as CLIENT spans with the database conventions
+    queries = [s for s in in_trace if s["attributes"].get("db.system.name") == "postgresql"]
+    assert {s["service"] for s in queries} >= {"instance-manager", "accounting"}
+    assert all(s["kind"] == "CLIENT" and s["attributes"]["db.query.text"] for s in queries)
+    assert all(s["attributes"]["db.namespace"] == "rackplane" for s in queries)
+    assert any(s["attributes"].get("db.query.summary") for s in queries)  # a named query names its span

@@ -13,6 +13,7 @@ from rackctl.commands import (
     sled,
     sim,
     usage,
+    stats,
     events,
     dlq,
     chaos,
@@ -35,6 +36,7 @@ __all__ = [
     "silo",
     "sim",
     "sled",
+    "stats",
     "usage",
     "version",
 ]

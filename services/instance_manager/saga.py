@@ -30,7 +30,7 @@ from typing import Any
 
 import asyncpg
 
-from shared import telemetry
+from shared import metrics, telemetry
 from shared.config import settings
 from shared.crash import crash_point
 from shared.db import queries
@@ -210,10 +210,17 @@ class Executor:
             step = saga.steps[row["cursor"]]
             try:
                 crash_point(f"saga:{saga.kind}/{step.name if forward else f'undo:{step.name}'}")
-                with telemetry.span(
-                    f"saga {saga.kind} {'' if forward else 'undo '}{step.name}",
-                    row["trace"],
-                    **{"saga.id": str(saga_id)},
+                with (
+                    metrics.timed(
+                        "rackplane.saga.step.duration",
+                        saga=saga.kind,
+                        step=step.name if forward else f"undo {step.name}",
+                    ),
+                    telemetry.span(
+                        f"saga {saga.kind} {'' if forward else 'undo '}{step.name}",
+                        row["trace"],
+                        **{"saga.id": str(saga_id)},
+                    ),
                 ):
                     if forward:
                         await self._forward(saga, row, step)

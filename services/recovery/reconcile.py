@@ -33,7 +33,7 @@ from pathlib import Path
 import asyncpg
 from nats.aio.client import Client as NATS
 
-from shared import bus, db, subjects, telemetry
+from shared import bus, db, metrics, subjects, telemetry
 from shared.config import settings, sled_unknown_after, transition_timeout, zombie_grace
 from shared.messages import InstanceRestart, InstanceSettle, Model, VmmLost, VmmStuck, VmmZombie
 
@@ -76,14 +76,19 @@ class Reconciler:
             if not mine:
                 telemetry.count("reconcile.passes_skipped")
                 return None
-            done = {
-                "lost": await self.lost_vmms(),
-                "stuck": await self.stuck_instances(),
-                "zombies": await self.zombies(),
-            }
-            done.update(await self.bring_back())
+            with metrics.timed("rackplane.reconcile.pass.duration"):
+                done = await self._pass()
             telemetry.count("reconcile.passes")
             return done
+
+    async def _pass(self) -> dict[str, int]:
+        done = {
+            "lost": await self.lost_vmms(),
+            "stuck": await self.stuck_instances(),
+            "zombies": await self.zombies(),
+        }
+        done.update(await self.bring_back())
+        return done
 
     # --- reconciler 1 ---
 
