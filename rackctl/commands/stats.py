@@ -21,6 +21,10 @@ def _stats_options(p: argparse.ArgumentParser) -> None:
     "lag, outbox depth), as its /metrics exports them",
     _stats_options,
     json_flag,
+    examples=(
+        "rackctl stats accounting",
+        "rackctl stats instance-manager --json",
+    ),
 )
 async def stats(ctx: Ctx) -> None:
     def human(d: dict[str, Any]) -> None:
