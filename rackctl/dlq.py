@@ -168,6 +168,12 @@ async def replay(js: JetStreamContext, seq: int) -> tuple[DeadLetter, int]:
         raise bus.CommandError(
             "invalid", f"dead letter {seq} came from {letter.subject!r}, which no stream of rackplane holds"
         )
+    if size := letter.headers.get(bus.DLQ_TRUNCATED):
+        raise bus.CommandError(
+            "invalid",
+            f"dead letter {seq} keeps only the first {len(letter.data)} of its {size} bytes (the whole did "
+            "not fit beside its headers under the broker's max payload): it can be read, not replayed",
+        )
     headers = {bus.MSG_ID: f"replay:{DLQ}:{seq}", REPLAY_OF: f"{DLQ}:{seq}"}
     ack = await _api(js, target, js.publish(target, letter.data, headers=headers))
     await delete(js, seq)

@@ -100,8 +100,12 @@ async def connect(
     seed_file: str | None = None,
     inbox_prefix: str | None = None,
     ca_file: str | None = None,
+    on_closed: Callable[[str], None] | None = None,
 ) -> NATS:
     """Connect, waiting up to `retry_for` seconds for the broker to come up; reconnect forever after.
+
+    The broker ends a connection for good on a protocol error (nats-py then closes it rather than
+    reconnect); `on_closed` is called with the reason when that happens, not when the caller closes it.
 
     `seed_file` is the identity's nkey seed (deploy/identities.py); `inbox_prefix` its private inbox, the
     only one its permissions let it read replies on; `ca_file` the CA that signed the server's certificate
@@ -130,6 +134,11 @@ async def connect(
     async def on_reconnect() -> None:
         log.info("%s: reconnected to nats", name)
 
+    async def on_close() -> None:
+        nc = connected[0] if connected else None
+        if on_closed is not None and nc is not None and nc.last_error is not None:
+            on_closed(f"the broker closed the connection: {nc.last_error}")
+
     options: dict[str, Any] = {}
     if seed_file:
         options["nkeys_seed"] = seed_file
@@ -148,6 +157,7 @@ async def connect(
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
+                closed_cb=on_close,
                 **options,
             ),
             retry_for,
@@ -208,6 +218,21 @@ def msg_id_for(key: str) -> uuid.UUID:
 
 def headers_for(env: Envelope) -> dict[str, str]:
     return telemetry.inject({MSG_ID: str(env.id)})
+
+
+def wire_size(payload: bytes, headers: dict[str, str] | None = None) -> int:
+    """What the broker counts against its max payload: the body and the headers block. nats-py checks the
+    body alone, and the broker closes a connection that sends more (a protocol error: nats-py then
+    closes it for good), so whatever forwards a body it did not make checks this first."""
+    if not headers:
+        return len(payload)
+    block = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
+    return len(payload) + len(block)
+
+
+DLQ_TRUNCATED = "Rp-Dlq-Truncated"
+"""Header of a dead letter whose body did not fit beside its headers: the original body's size in bytes
+(the letter keeps the body's beginning; it can be read, not replayed)."""
 
 
 async def publish(
@@ -399,9 +424,14 @@ class Consumer:
             "Rp-Dlq-Sequence": str(meta.sequence.stream),
             "Rp-Dlq-Consumer": self.durable,
         }
+        data = msg.data or b""
+        limit = self.js._nc.max_payload  # the broker's, from its INFO
+        if wire_size(data, headers) > limit:  # a body near the limit, which the headers push over it
+            headers[DLQ_TRUNCATED] = str(len(data))
+            data = data[: max(0, limit - wire_size(b"", headers))]
         try:
             await self.js.publish(
-                subjects.dead_letter(self.service, self.dead_letters), msg.data or b"", headers=headers
+                subjects.dead_letter(self.service, self.dead_letters), data, headers=headers
             )
         except Exception as e:
             log.warning("%s/%s: dead-letter failed (%s); will retry", self.service, self.durable, e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -46,6 +47,8 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
         with suppress(asyncio.CancelledError):
             await task
         server.close()
+        if FATAL:
+            raise SystemExit(f"{service}: {FATAL[0]}")
         log.info("%s stopped", service)
 
     try:
@@ -64,6 +67,17 @@ class Migrated(Exception):
 
 HTTP: dict[str, int] = {}
 """The port the process's HTTP endpoint listens on, once it does."""
+
+FATAL: list[str] = []
+"""Why the process must stop and be restarted by its supervisor (it then exits non-zero)."""
+
+
+def stop_for(reason: str) -> None:
+    """Stop the process as SIGTERM would, and exit non-zero with `reason`: for a state it cannot leave by
+    itself, such as a broker connection closed for good."""
+    log.error("stopping: %s", reason)
+    FATAL.append(reason)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def dump_tasks() -> None:
@@ -150,6 +164,7 @@ async def connect_bus(settings: Settings, service: str, identity: str | None = N
         seed_file=settings.nats_nkey_file,
         inbox_prefix=subjects.inbox_prefix(identity or service),
         ca_file=settings.nats_ca_file,
+        on_closed=stop_for,
     )
 
     async def connected() -> None:

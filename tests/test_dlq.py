@@ -14,7 +14,7 @@ from typing import Any
 from deploy.stack import Stack
 from rackctl.client import Client
 from shared import subjects
-from shared.bus import MSG_ID
+from shared.bus import DLQ_TRUNCATED, MSG_ID, wire_size
 from tests.conftest import JetStreamAs, connect_as, eventually, unique
 from tests.test_bad_input import raw_envelope
 from tests.test_cli import assert_ok, rackctl
@@ -112,6 +112,37 @@ async def test_a_dead_letter_is_listed_with_its_reason_and_replays_to_its_subjec
     assert r.out.strip() == "deleted 1 dead letter(s)"
     r = await rackctl(stack, "dlq", "list", "--service", "accounting", "--json")
     assert all(d["replay_to"] != sent_on for d in r.json())
+
+
+async def test_a_message_as_large_as_the_broker_takes_is_parked_with_its_beginning(
+    stack: Stack, client: Client, jetstream_as: JetStreamAs
+) -> None:
+    """A body so near the broker's max payload that the dead-letter headers push it over: the broker
+    would close the connection of whoever sent it whole (nats-py checks the body alone), so its beginning
+    is parked, with the whole's size, and the consumer keeps going. Such a letter is read, not replayed."""
+    js = await jetstream_as("instance-manager")
+    sent_on = subjects.provision_delta(unique("silo"), "web", uuid.uuid4())
+    headers = {MSG_ID: str(uuid.uuid4())}
+    payload = b"{" + b"x" * (client.nc.max_payload - wire_size(b"{", headers))
+    assert wire_size(payload, headers) == client.nc.max_payload
+    await js.publish(sent_on, payload, headers=headers)
+
+    async def listed() -> Any:
+        r = await rackctl(stack, "dlq", "list", "--service", "accounting", "--json")
+        assert_ok(r)
+        return next((d for d in r.json() if d["replay_to"] == sent_on), None)
+
+    letter = await eventually(listed)
+    assert letter["reason"].startswith("malformed"), letter
+    r = await rackctl(stack, "dlq", "show", str(letter["seq"]), "--json")
+    assert_ok(r)
+    shown = r.json()
+    assert shown["headers"][DLQ_TRUNCATED] == str(len(payload))
+    assert payload.startswith(shown["payload"].encode()) and len(shown["payload"]) < len(payload)
+    r = await rackctl(stack, "dlq", "replay", str(letter["seq"]), "--yes", "--context", str(_admin(stack)))
+    assert r.code == 1 and "can be read, not replayed" in r.err, r
+    assert stack.services["accounting"].alive
+    await _bad_delta(stack, jetstream_as)  # accounting still dead-letters what comes next
 
 
 async def test_purge_older_than_keeps_the_young(stack: Stack, jetstream_as: JetStreamAs) -> None:

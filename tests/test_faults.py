@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -250,7 +251,20 @@ async def new_project(client: Client) -> tuple[str, str]:
             return False
 
     await eventually(known)
+    await eventually(lambda: every_sled_answers(client))
     return silo, proj
+
+
+async def every_sled_answers(client: Client, within: float = 2.0) -> bool:
+    """Each sled's latest inventory is younger than `within` seconds, so placement counts it as answering
+    (a test before may have held or dropped the sleds' reports for a while)."""
+    now = datetime.now(UTC)
+    sleds = await client.sled_list()
+    return bool(sleds) and all(
+        s["state"] != "active"
+        or (s["last_seen_at"] and (now - datetime.fromisoformat(s["last_seen_at"])).total_seconds() < within)
+        for s in sleds
+    )
 
 
 async def churn(client: Client, silo: str, proj: str, n: int, *, keep: int) -> dict[str, int]:
