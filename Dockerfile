@@ -4,8 +4,13 @@
 # (see shared/config.py).
 #
 # Dependencies are exactly the pinned versions of requirements.lock (installed with --no-deps, so nothing
-# unpinned slips in). The only network access is pip's, to the package index.
-FROM python:3.11-slim
+# unpinned slips in), in a virtual environment. The network access is pip's, to the package index, and,
+# on a base without Python, apt's.
+#
+# BASE: the public `python:3.11-slim` by default; where no image registry is reachable, a plain Debian
+# bookworm made locally (`make test-containers`: deploy/containers.sh), which gets Debian's Python 3.11.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -13,11 +18,22 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 
+RUN command -v python3 > /dev/null || { apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; }
+RUN python3 -m venv /opt/rackplane
+ENV PATH=/opt/rackplane/bin:$PATH
+
 WORKDIR /src
+
+# WHEELHOUSE: a page of links to every pinned package (and setuptools), which pip then uses instead of
+# the package index; deploy/containers.sh serves one on the host's loopback (a build with --network host)
+# where the index is reached only through the host's own certificate authority. Unset: the index.
+ARG WHEELHOUSE
 
 # The pinned dependencies first, in their own layer: rebuilt only when the lock file changes.
 COPY requirements.lock ./
-RUN pip install --no-deps -r requirements.lock
+RUN pip install ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} --no-deps -r requirements.lock
 
 # Then the project itself; its .sql migrations and queries are package data (see pyproject.toml).
 COPY pyproject.toml ./
@@ -25,7 +41,7 @@ COPY shared/ shared/
 COPY services/ services/
 COPY deploy/ deploy/
 COPY rackctl/ rackctl/
-RUN pip install --no-deps .
+RUN pip install ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} --no-deps .
 
 # The services need no privileges: they only open outgoing connections to NATS and PostgreSQL.
 # /identities is the mount point of compose's identities volume: a fresh volume takes its owner from it.

@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install run test lint chaos fuzz bench schemas clean
+.PHONY: install run test test-containers lint chaos fuzz bench schemas clean
 
 $(BIN)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 	@$(PYTHON) deploy/preflight.py install
@@ -27,6 +27,15 @@ test: install lint
 	@$(PYTHON) deploy/preflight.py test
 	$(BIN)/python -m compileall -q -j 0 shared services rackctl deploy
 	$(BIN)/pytest -n auto --maxprocesses 4 --dist worksteal
+
+## test-containers: the images built here (a Debian base made by debootstrap, no registry needed), then
+## tests with PostgreSQL and nats-server in containers (testcontainers) and the whole docker-compose.yml
+## walked through as the README walks `make run`. Needs root for Docker: it installs Debian's docker.io,
+## docker-compose and debootstrap and starts dockerd when they are missing (deploy/containers.sh).
+test-containers: install
+	deploy/containers.sh engine
+	deploy/containers.sh images
+	$(BIN)/pytest -n 0 -m containers -p no:cacheprovider -o timeout=600 tests/containers
 
 lint: install
 	$(BIN)/ruff check .
