@@ -35,7 +35,8 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
             server = await endpoint.serve(host, port)
         except OSError as e:
             raise SystemExit(
-                f"{service}: RACKPLANE_HTTP_PORT={port}: cannot listen on {host}:{port}: {e.strerror}"
+                f"{service}: RACKPLANE_HTTP_PORT={port}: cannot listen on {host}:{port}: "
+                f"{os.strerror(e.errno) if e.errno else e}"
             ) from None
         HTTP["port"] = endpoint.bound_port(server)
         log.info("%s: metrics and health on http://%s:%d", service, host, HTTP["port"])

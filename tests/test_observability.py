@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -202,3 +203,22 @@ def test_a_bad_observability_setting_stops_the_service_naming_the_variable(varia
     )
     assert p.returncode != 0
     assert p.stderr.strip().splitlines()[-1].startswith(f"recovery: {variable}={value!r}: expected"), p.stderr
+
+
+def test_a_port_already_taken_stops_the_service_with_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {
+            **os.environ,
+            "RACKPLANE_HTTP_PORT": str(port),
+            "NATS_URL": "nats://127.0.0.1:1",
+            "PYTHONPATH": str(ROOT),
+        }
+        p = subprocess.run(
+            [sys.executable, "-m", "services.recovery"], env=env, capture_output=True, text=True, timeout=30
+        )
+    assert p.returncode != 0
+    want = f"recovery: RACKPLANE_HTTP_PORT={port}: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert p.stderr.strip().splitlines()[-1] == want, p.stderr
