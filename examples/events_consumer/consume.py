@@ -65,7 +65,8 @@ def check(schemas: dict[tuple[str, int], Any], data: bytes) -> tuple[dict[str, A
 def superseded(schemas: dict[tuple[str, int], Any], message: dict[str, Any]) -> bool:
     """Whether a newer version of this message's schema is published: while rackplane sends both versions
     of a change (its deprecation window, docs/subjects.md "Versions"), a reader follows the newest it
-    knows and acknowledges the older copy unread."""
+    knows and acknowledges the older copy unread. (It assumes every producer sends the newest version: see
+    the README on a rolling upgrade from the release before v2.)"""
     return any(name == message["schema"] and v > message["version"] for name, v in schemas)
 
 
