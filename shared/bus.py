@@ -20,7 +20,8 @@ import logging
 import ssl
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -351,19 +352,8 @@ class Consumer:
             return
         env, body = admitted
         try:
-            with (
-                metrics.timed(MESSAGING_PROCESS_DURATION, **self._metric_attributes(msg)),
-                telemetry.messaging_span(
-                    msg.subject,
-                    Op.PROCESS,
-                    telemetry.SpanKind.CONSUMER,
-                    msg.headers,
-                    **{
-                        MESSAGING_MESSAGE_ID: str(env.id),
-                        MESSAGING_CONSUMER_GROUP_NAME: self.durable,
-                        MESSAGING_MESSAGE_BODY_SIZE: len(msg.data or b""),
-                    },
-                ),
+            with self._processing(
+                msg, **{MESSAGING_MESSAGE_ID: str(env.id), MESSAGING_MESSAGE_BODY_SIZE: len(msg.data or b"")}
             ):
                 if FAULTS.active:
                     await FAULTS.before_handler(msg)
@@ -385,6 +375,21 @@ class Consumer:
         crash_point(f"after-commit:{self.durable}")
         await _settle(msg.ack())
         telemetry.count("handled", consumer=self.durable)
+
+    @contextmanager
+    def _processing(self, msg: Msg, **attributes: Any) -> Iterator[None]:
+        """Handling `msg` (or a batch that starts with it): its duration, and its CONSUMER span."""
+        with (
+            metrics.timed(MESSAGING_PROCESS_DURATION, **self._metric_attributes(msg)),
+            telemetry.messaging_span(
+                msg.subject,
+                Op.PROCESS,
+                telemetry.SpanKind.CONSUMER,
+                msg.headers,
+                **{MESSAGING_CONSUMER_GROUP_NAME: self.durable, **attributes},
+            ),
+        ):
+            yield
 
     def _metric_attributes(self, msg: Msg) -> dict[str, str]:
         """A handler duration's attributes: few values each, so the histogram stays small."""
@@ -527,19 +532,7 @@ class BatchConsumer(Consumer):
     async def _apply(self, batch: list[Delivery]) -> None:
         first = batch[0].msg
         try:
-            with (
-                metrics.timed(MESSAGING_PROCESS_DURATION, **self._metric_attributes(first)),
-                telemetry.messaging_span(
-                    first.subject,
-                    Op.PROCESS,
-                    telemetry.SpanKind.CONSUMER,
-                    first.headers,
-                    **{
-                        MESSAGING_BATCH_MESSAGE_COUNT: len(batch),
-                        MESSAGING_CONSUMER_GROUP_NAME: self.durable,
-                    },
-                ),
-            ):
+            with self._processing(first, **{MESSAGING_BATCH_MESSAGE_COUNT: len(batch)}):
                 await self.batch_handler(batch)
         except asyncio.CancelledError:
             raise
