@@ -4,6 +4,7 @@
   the client's own credential (an nkey seed), its private reply inbox, and TLS when a CA is given.
 - `publish`: one envelope to JetStream with `Nats-Msg-Id` (the broker drops repeats inside the window)
   and the trace context in headers.
+- `BulkPublisher`: many messages at once, one wait for all their acks (the outbox relay's way).
 - `Consumer`: a durable pull consumer that acks only after its handler returned (so after the handler's
   transaction committed), naks on transient failure, and dead-letters what it can never handle, with the
   reason, so that nothing is lost and the loop goes on.
@@ -16,6 +17,8 @@ while it is off, which it is unless a test or an operator turns it on.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import ssl
 import uuid
@@ -212,9 +215,16 @@ class Denials:
 _DENIALS: weakref.WeakKeyDictionary[NATS, Denials] = weakref.WeakKeyDictionary()
 
 
+_MSG_ID_NAMESPACE = hashlib.sha1(uuid.NAMESPACE_URL.bytes + b"rackplane:")
+
+
 def msg_id_for(key: str) -> uuid.UUID:
-    """A message id derived from what the message means, so that a resend is recognisably the same."""
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"rackplane:{key}")
+    """A message id derived from what the message means, so that a resend is recognisably the same:
+    `uuid5(NAMESPACE_URL, "rackplane:" + key)`, from a hash already fed the namespace (an outbox batch
+    makes a thousand of them)."""
+    h = _MSG_ID_NAMESPACE.copy()
+    h.update(key.encode())
+    return uuid.UUID(bytes=h.digest()[:16], version=5)
 
 
 def headers_for(env: Envelope) -> dict[str, str]:
@@ -246,6 +256,75 @@ async def publish(
         if FAULTS.active:
             return await FAULTS.publish(js, subject, encode(env), headers_for(env))
         return await js.publish(subject, encode(env), headers=headers_for(env))
+
+
+class PublishFailed(Exception):
+    """JetStream refused a message of a bulk publish (or no stream takes its subject)."""
+
+
+class BulkPublisher:
+    """Many messages into JetStream, then one wait until every one is stored.
+
+    Each goes out as a plain publish whose reply subject says its place (`<inbox>.<round>.<i>`), and one
+    subscription on this publisher's inbox takes every ack. nats-py's `publish_async` does the same with a
+    future per message and each ack parsed into a `PubAck`: more than half of the cost of publishing, which
+    a relay that only needs "all stored, or retry" does not need (docs/benchmarks.md). One round at a time:
+    the outbox relay is its only user.
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.inbox = nc.new_inbox()
+        self._sub: Any = None
+        self._round = 0
+        self._waiting: set[int] = set()
+        self._subjects: list[str] = []
+        self._refused: str | None = None
+        self._done = asyncio.Event()
+
+    async def publish(self, messages: list[tuple[str, bytes, dict[str, str]]], *, timeout: float) -> None:
+        """Publish `messages` (subject, payload, headers), in order; return once JetStream acked each (a
+        duplicate it dropped counts: it holds the message already), raise otherwise."""
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(f"{self.inbox}.*.*", cb=self._acked)
+        self._round += 1
+        self._waiting, self._refused = set(range(len(messages))), None
+        self._subjects = [subject for subject, _, _ in messages]
+        self._done.clear()
+        for i, (subject, payload, headers) in enumerate(messages):
+            await self.nc.publish(subject, payload, reply=f"{self.inbox}.{self._round}.{i}", headers=headers)
+        try:
+            if self._waiting:
+                await asyncio.wait_for(self._done.wait(), timeout)
+        except TimeoutError:
+            raise PublishFailed(
+                f"{len(self._waiting)} of {len(messages)} not acked in {timeout:g}s"
+            ) from None
+        if self._refused is not None:
+            raise PublishFailed(self._refused)
+
+    async def _acked(self, msg: Msg) -> None:
+        _, rnd, place = msg.subject.rsplit(".", 2)
+        if int(rnd) != self._round:
+            return  # the late ack of a round given up on
+        i = int(place)
+        status = (msg.headers or {}).get(api.Header.STATUS)
+        if status or b'"error"' in msg.data:
+            self._refused = f"{self._subjects[i]}: " + (
+                "no stream takes this subject" if status == "503" else _pub_ack_error(msg.data)
+            )
+            self._done.set()
+            return
+        self._waiting.discard(i)
+        if not self._waiting:
+            self._done.set()
+
+
+def _pub_ack_error(data: bytes) -> str:
+    try:
+        return str(json.loads(data)["error"]["description"])
+    except (ValueError, KeyError, TypeError):
+        return data.decode(errors="replace")
 
 
 # --- stream consumers ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from opentelemetry import trace
 from opentelemetry.semconv._incubating.attributes.messaging_attributes import (
@@ -38,7 +39,7 @@ from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS, S
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared import metrics, telemetry
-from shared.bus import MSG_ID, headers_for, msg_id_for
+from shared.bus import MSG_ID, BulkPublisher, headers_for, msg_id_for
 from shared.faults import FAULTS
 from shared.messages import Model, encode, envelope
 
@@ -320,6 +321,8 @@ def owner_role(schema: str) -> str:
 # --- transactional outbox ------------------------------------------------------------------------------
 
 OUTBOX = SHARED_SQL / "outbox.sql"
+ACK_TIMEOUT = 10.0
+"""How long the relay waits for JetStream to ack what it published, before it tries again."""
 
 
 async def enqueue(
@@ -371,9 +374,10 @@ class OutboxRelay:
     idempotent beyond it).
     """
 
-    def __init__(self, pool: asyncpg.Pool, js: JetStreamContext, *, batch: int = 1000) -> None:
+    def __init__(self, pool: asyncpg.Pool, nc: NATS, js: JetStreamContext, *, batch: int = 1000) -> None:
         self.pool = pool
         self.js = js
+        self.publisher = BulkPublisher(nc)
         self.batch = batch
         self.wake = asyncio.Event()
         metrics.sampler(self.sample_depth)
@@ -409,19 +413,22 @@ class OutboxRelay:
             rows = await conn.fetch(q["claim"], self.batch)
             if not rows:
                 return 0
-            acks = [await self._publish(r) for r in rows]
-            await asyncio.wait_for(asyncio.gather(*acks), timeout=10)
+            await self._publish(
+                [(r["subject"], r["payload"], {**r["headers"], MSG_ID: str(r["msg_id"])}) for r in rows]
+            )
             await conn.execute(q["delete"], [r["seq"] for r in rows])
         telemetry.count("outbox.published", len(rows))
         return len(rows)
 
-    async def _publish(self, row: asyncpg.Record) -> asyncio.Future[Any]:
-        """Publish one row, through the fault layer when it is on (it may delay, copy, reorder or refuse
-        it: the row stays until its ack, so a refused or lost publish is sent again by a later drain)."""
-        headers = {**row["headers"], MSG_ID: str(row["msg_id"])}
+    async def _publish(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
+        """Publish the rows and wait for every ack; through the fault layer when it is on (it may delay,
+        copy, reorder or refuse them: the rows stay until their acks, so a refused or lost publish is sent
+        again by a later drain)."""
         if FAULTS.active:
-            return await FAULTS.publish_async(self.js, row["subject"], row["payload"], headers)
-        return await self.js.publish_async(row["subject"], row["payload"], headers=headers)
+            acks = [await FAULTS.publish_async(self.js, *m) for m in messages]
+            await asyncio.wait_for(asyncio.gather(*acks), timeout=ACK_TIMEOUT)
+        else:
+            await self.publisher.publish(messages, timeout=ACK_TIMEOUT)
 
 
 class PassLock:

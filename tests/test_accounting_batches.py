@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy.stack import Stack
-from services.accounting.ledger import Applied, Charge, apply_batch
+from services.accounting.ledger import Applied, Charge, Ledger, apply_batch, events
 from shared import bus, subjects
 from shared.db import create_pool
 from shared.messages import ProvisionDelta
@@ -186,6 +186,41 @@ async def batched_and_one_by_one(dsn: str, w: World) -> None:
 @given(w=worlds())
 def test_batches_give_the_outcomes_and_totals_of_one_by_one(stack: Stack, w: World) -> None:
     asyncio.run(batched_and_one_by_one(stack.service_database_urls["accounting"], w))
+
+
+async def test_a_repeat_inside_the_duplicate_window_is_not_told_again(stack: Stack) -> None:
+    """A repeat's outcome message would carry the first one's id: inside the broker's duplicate window the
+    broker would drop it, so it is not queued at all; once the window may have passed, it is sent again."""
+    w = World(quotas=[(None, None, None)], instances=[(0, 0)], deltas=[(0, 1, 1, 1, 1)], batches=[])
+    pool = await create_pool(stack.service_database_urls["accounting"], "accounting", min_size=1, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            copy = Copy(w)
+            await copy.create(conn)
+            (c,) = copy.charges()
+            async with conn.transaction():
+                first, again = await apply_batch(conn, [c, c])  # a repeat inside its own batch
+            async with conn.transaction():
+                (later,) = await apply_batch(conn, [c])  # a repeat inside the window
+            await conn.execute(
+                "UPDATE instance_charges SET updated_at = now() - interval '1 day' WHERE instance_id = $1",
+                copy.instances[0],
+            )
+            async with conn.transaction():
+                (late,) = await apply_batch(conn, [c])  # a repeat once the window may have passed
+        results = [first, again, later, late]
+        assert all(isinstance(r, Applied) for r in results)
+        assert [(r.repeat, r.told) for r in results] == [  # type: ignore[union-attr]
+            (False, False),
+            (True, True),
+            (True, True),
+            (True, False),
+        ]
+        ledger = Ledger({}, {})
+        outcomes = [e for e in events([c] * 4, list(results), [], ledger) if "outcome" in e[0]]
+        assert len(outcomes) == 2  # the first and the late one
+    finally:
+        await pool.close()
 
 
 # --- replicas ---------------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ project's totals appends them, as they are after the batch, to usage_history in 
 How it holds, whatever the order and number of deliveries:
 - a delta states an instance's whole charge at a generation; it is applied only if that generation is
   newer than the one held, and the totals move by the difference, in the same transaction as the fence;
-- a delta at the held generation is a repeat: nothing moves, and its recorded outcome is sent again,
-  so a retried charge is never refused by a quota check that counts its own earlier charge;
+- a delta at the held generation is a repeat: nothing moves, and its recorded outcome is its answer, so
+  a retried charge is never refused by a quota check that counts its own earlier charge (the outcome
+  message goes out again only once the broker's duplicate window may have forgotten the first: inside it,
+  the broker would drop the copy, whose message id is the first's);
 - a delta at an older generation is stale: nothing moves;
 - the batch's instance rows, then its silo rows, are locked in key order before anything is decided, so
   two batches (two partitions, two replicas) touching one instance or one silo serialize, without deadlock;
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ import asyncpg
 
 from services.accounting.history import append_history
 from shared import subjects, telemetry
+from shared.config import duplicate_window
 from shared.db import enqueue_many, queries
 from shared.messages import MAX_TOTAL, Model, Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
 
@@ -70,6 +75,8 @@ class Applied:
     outcome: Outcome
     reason: str
     repeat: bool = False
+    told: bool = False
+    """A repeat whose outcome message went out inside half the broker's duplicate window: not sent again."""
 
 
 Result = Applied | UnknownSilo | UnknownProject | Forged
@@ -157,7 +164,7 @@ async def lock_charges(
         [d.project_id for d in first.values()],
         [d.silo_id for d in first.values()],
     )
-    rows = await conn.fetch(Q["charges_lock"], sorted(first))
+    rows = await conn.fetch(Q["charges_lock"], in_key_order(first), duplicate_window() / 2)
     return {r["instance_id"]: dict(r) for r in rows}
 
 
@@ -180,12 +187,13 @@ class Ledger:
                 f"{held['silo_id']}, not to project {d.project_id} of silo {d.silo_id}"
             )
         if d.generation == held["generation"]:
-            return Applied(Outcome(held["outcome"]), held["reason"], repeat=True)
+            return Applied(Outcome(held["outcome"]), held["reason"], repeat=True, told=held["told"])
         if d.generation < held["generation"]:
             return Applied(Outcome.stale, f"generation {d.generation} is older than {held['generation']}")
         diff = [getattr(d, a) - held[a] for a in AMOUNTS]
         silo = self.silos[d.silo_id]
         self._charged.add(d.instance_id)
+        held["told"] = True  # its outcome goes out with this batch
         if reason := refusal(silo, diff):
             held.update(generation=d.generation, outcome=Outcome.refused.value, reason=reason)
             return Applied(Outcome.refused, reason)
@@ -201,7 +209,7 @@ class Ledger:
         return Applied(Outcome.applied, "")
 
     def changed_charges(self) -> list[dict[str, Any]]:
-        return [{"instance_id": i, **self.charges[i]} for i in sorted(self._charged)]
+        return [{"instance_id": i, **self.charges[i]} for i in in_key_order(self._charged)]
 
     def changed_silos(self) -> list[dict[str, Any]]:
         return [self.silos[s] for s in sorted(self._silos_moved)]
@@ -212,6 +220,12 @@ class Ledger:
             for (p, _), m in sorted(self.projects.items())
             if any(m)
         ]
+
+
+def in_key_order(ids: Iterable[uuid.UUID]) -> list[uuid.UUID]:
+    """`ids` in PostgreSQL's uuid order (their bytes, that is their integers), sorted on the integers:
+    `UUID.__lt__` is a Python call per comparison, a tenth of a batch's time for a thousand of them."""
+    return sorted(ids, key=attrgetter("int"))
 
 
 def refusal(silo: dict[str, Any], diff: list[int]) -> str:
@@ -243,7 +257,8 @@ def events(
     moved: list[asyncpg.Record],
     ledger: Ledger,
 ) -> list[tuple[str, Model, str | None]]:
-    """The usage of every project that moved (with its silo's), then every delta's outcome, in order."""
+    """The usage of every project that moved (with its silo's), then every delta's outcome, in order (but a
+    repeat's whose outcome was told inside the duplicate window)."""
     out: list[tuple[str, Model, str | None]] = []
     for p in moved:
         silo = ledger.silos[p["silo_id"]]
@@ -260,7 +275,7 @@ def events(
             )
         )
     for c, r in zip(charges, results, strict=True):
-        if isinstance(r, Applied):
+        if isinstance(r, Applied) and not r.told:
             d = c.delta
             out.append(
                 (

@@ -102,7 +102,7 @@ async def usage(pool: asyncpg.Pool, body: UsageGet) -> dict[str, Any]:
 async def main(settings: Settings) -> None:
     pool = await open_database(settings, SCHEMA)
     nc, js = await connect_bus(settings, SOURCE)
-    relay = db.OutboxRelay(pool, js)
+    relay = db.OutboxRelay(pool, nc, js)
 
     async def on_deltas(batch: list[bus.Delivery]) -> None:
         charges = []

@@ -23,7 +23,10 @@ ON CONFLICT (instance_id) DO NOTHING;
 -- Concurrent batches touching one instance serialize here; locking in key order keeps them from
 -- deadlocking. (Locked in its own statement: a FOR UPDATE in the same statement as an upsert skips the
 -- rows the upsert touches.)
-SELECT instance_id, project_id, silo_id, generation, vcpus, ram_bytes, disk_bytes, outcome, reason
+-- `told`: the outcome at `generation` was decided less than $2 seconds ago (half the broker's duplicate
+-- window), so the broker still holds its message id and would drop a resend.
+SELECT instance_id, project_id, silo_id, generation, vcpus, ram_bytes, disk_bytes, outcome, reason,
+       updated_at > now() - make_interval(secs => $2) AS told
 FROM instance_charges WHERE instance_id = ANY($1::uuid[]) ORDER BY instance_id FOR UPDATE;
 
 -- name: silos_lock

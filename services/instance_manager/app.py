@@ -51,7 +51,7 @@ class App:
     _waiters: dict[tuple[uuid.UUID, int], asyncio.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.relay = OutboxRelay(self.pool, self.js)
+        self.relay = OutboxRelay(self.pool, self.nc, self.js)
         self.sagas = Executor(self, self.dsn)
 
     def hears_sleds(self) -> bool:
