@@ -307,7 +307,8 @@ class Settings(BaseSettings):
         "RACKPLANE_DUPLICATE_WINDOW",
         120.0,
         "how long the broker remembers a message id to drop its repeats (set on each stream when it is "
-        "made or updated; past it, the receivers' own fences catch a resend)",
+        "made or updated; past it, the receivers' own fences catch a resend). Accounting reads it too (it "
+        "does not resend a repeat's outcome inside half of it): give every process the streams' value",
     )
 
     @model_validator(mode="after")

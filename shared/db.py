@@ -371,7 +371,8 @@ class OutboxRelay:
 
     A row is deleted only after JetStream acknowledged it; a crash in between publishes it again with the
     same Nats-Msg-Id, which the broker drops as a duplicate inside its window (and consumers are
-    idempotent beyond it).
+    idempotent beyond it). "In order" holds per relay: two replicas' relays share an outbox (SKIP LOCKED)
+    and may interleave their rows, so consumers never rely on order across a service's replicas.
     """
 
     def __init__(self, pool: asyncpg.Pool, nc: NATS, js: JetStreamContext, *, batch: int = 1000) -> None:
@@ -424,7 +425,7 @@ class OutboxRelay:
         """Publish the rows and wait for every ack; through the fault layer when it is on (it may delay,
         copy, reorder or refuse them: the rows stay until their acks, so a refused or lost publish is sent
         again by a later drain)."""
-        if FAULTS.active:
+        if FAULTS.active and FAULTS.faults_any_outgoing(subject for subject, _, _ in messages):
             acks = [await FAULTS.publish_async(self.js, *m) for m in messages]
             await asyncio.wait_for(asyncio.gather(*acks), timeout=ACK_TIMEOUT)
         else:

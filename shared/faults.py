@@ -42,6 +42,7 @@ import logging
 import random
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,10 @@ class Faults:
 
     def _faults_outgoing(self, subject: str) -> bool:
         return self._outgoing and self.targets(subject)
+
+    def faults_any_outgoing(self, subjects: Iterable[str]) -> bool:
+        """Whether a fault applies to publishing on any of `subjects` (the others need not go through it)."""
+        return self._outgoing and any(self.targets(s) for s in subjects)
 
     # --- outgoing messages ---
 

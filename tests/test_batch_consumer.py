@@ -124,3 +124,14 @@ async def test_bulk_publish_says_what_no_stream_takes(js: Any) -> None:
         await publisher.publish([("rp.nowhere.at.all", b"x", {bus.MSG_ID: "1"})], timeout=5)
     # the publisher goes on: the next round is not confused by the last one's answers
     await publisher.publish([(subjects.event("s", "provision", "outcome"), b"x", {})], timeout=5)
+
+
+async def test_bulk_publish_gives_up_on_a_round_and_its_late_acks_change_nothing(js: Any) -> None:
+    publisher = bus.BulkPublisher(js._nc)
+    subject = subjects.event("s", "provision", "outcome")
+    before = (await js.stream_info(subjects.EVENTS_STREAM)).state.messages
+    with pytest.raises(bus.PublishFailed, match="not acked"):
+        await publisher.publish([(subject, b"x", {}) for _ in range(500)], timeout=0)
+    # its 500 acks come while the next round waits: they must not count as the next round's
+    await publisher.publish([(subject, b"y", {bus.MSG_ID: str(uuid.uuid4())})], timeout=5)
+    assert (await js.stream_info(subjects.EVENTS_STREAM)).state.messages == before + 501

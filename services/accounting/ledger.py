@@ -76,7 +76,8 @@ class Applied:
     reason: str
     repeat: bool = False
     told: bool = False
-    """A repeat whose outcome message went out inside half the broker's duplicate window: not sent again."""
+    """A repeat whose outcome was decided (and queued) less than half the broker's duplicate window ago:
+    the broker still knows its message id and would drop a copy, so none is queued."""
 
 
 Result = Applied | UnknownSilo | UnknownProject | Forged

@@ -31,6 +31,8 @@ from shared.messages import (
 log = logging.getLogger(__name__)
 
 SOURCE = "instance-manager"
+CHARGE_RESEND_MAX = 30.0
+"""The longest a charge waits between two sends of its delta."""
 Q = queries(Path(__file__).parent / "queries.sql")
 
 
@@ -43,6 +45,8 @@ class App:
     relay: OutboxRelay = field(init=False)
     sagas: Executor = field(init=False)
     charge_timeout: float = 2.0
+    """How long a charge waits for its outcome before it sends its delta again; doubled after each resend
+    that the broker took, up to CHARGE_RESEND_MAX."""
     listening_since: float = field(default_factory=time.monotonic)
     """When this process began to read the sleds' inventories (monotonic clock)."""
     send_v1: bool = field(default_factory=event_v1)
@@ -129,6 +133,7 @@ class App:
         """
         key = (delta.instance_id, delta.generation)
         event = self._waiters.setdefault(key, asyncio.Event())
+        wait = self.charge_timeout
         try:
             while True:
                 row = await self.pool.fetchrow(Q["outcome_get"], *key)
@@ -143,12 +148,17 @@ class App:
                         source=SOURCE,
                         key=f"delta:{delta.instance_id}:{delta.generation}",
                     )
+                    stored = True
                 except Exception as e:
                     log.info("charge for %s not sent yet: %s", delta.instance_id, e)
+                    stored = False
                 try:
-                    await asyncio.wait_for(event.wait(), self.charge_timeout)
+                    await asyncio.wait_for(event.wait(), wait)
                 except TimeoutError:
                     telemetry.count("charge.waits_timed_out")
+                # A stored delta is answered once accounting reads it (it may be down, or far behind after
+                # an outage): sending it again then only adds load, so resends back off.
+                wait = min(wait * 2, CHARGE_RESEND_MAX) if stored else self.charge_timeout
         finally:
             self._waiters.pop(key, None)
 
