@@ -67,6 +67,14 @@ def _json(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """What a connection goes back to its pool with: as it is (asyncpg has rolled back a transaction left
+    open). asyncpg's own reset sends `pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL` on every
+    release, a round trip each time a pool connection is used; nothing here leaves that state on a pooled
+    connection (`migrate` resets its role, lock timeout and lock itself; saga and pass locks have their
+    own connections)."""
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=_json, decoder=json.loads, schema="pg_catalog")
     if telemetry.tracing():
@@ -139,6 +147,7 @@ async def create_pool(dsn: str, schema: str, *, min_size: int = 0, max_size: int
         min_size=min_size,
         max_size=max_size,
         init=_init_connection,
+        reset=_keep_session,
         server_settings={"search_path": schema, "application_name": schema},
     )
     assert pool is not None

@@ -1,0 +1,90 @@
+"""Benchmark: how many instance starts a second the control plane takes, and how long a start's reply
+takes, at 32 concurrent callers with a VMM boot time of zero, beside a baseline measured in the same run at
+the same concurrency: `instance show`, the cheapest request that reaches instance-manager and its
+database.
+
+    make bench        (or: .venv/bin/pytest -m bench -s tests/bench/test_start_bench.py)
+Environment: BENCH_STARTS (300, the size the issue measured; at 1,000 the rack does not settle today:
+docs/benchmarks.md says why), BENCH_CALLERS (32).
+
+A start's reply comes once its saga has taken the interlock, charged the instance (accounting's outcome
+included), placed it and asked its sled; then the instance runs when the sled reports. Both are timed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from shared.messages import Quota
+from tests.bench.test_pool_bench import summary, timed
+from tests.conftest import GiB, Rack, eventually, private_rack
+
+pytestmark = pytest.mark.bench
+
+STARTS = int(os.environ.get("BENCH_STARTS", "300"))
+CALLERS = int(os.environ.get("BENCH_CALLERS", "32"))
+
+
+@pytest.fixture
+async def rack() -> AsyncIterator[Rack]:
+    env = {
+        "RACKPLANE_SLEDS": "8",
+        "RACKPLANE_SLED_SHAPES": "1024:2048",
+        "RACKPLANE_VMM_START_DELAY": "0",
+        "RACKPLANE_LOG": "WARNING",
+        "RACKPLANE_TRACES": "none",
+    }
+    async with private_rack("startbench", timeout=120, **env) as made:
+        yield made
+
+
+async def test_start_rate_and_reply_latency(rack: Rack) -> None:
+    _, client, db = rack
+    await client.silo_create("bench", quota=Quota(vcpus=10**6, ram_bytes=10**15, disk_bytes=10**16))
+    await client.project_create("bench", "p")
+
+    async def create(i: int) -> None:
+        await client.instance_create("bench", "p", f"vm-{i}", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+
+    made, made_wall = await timed(STARTS, CALLERS, create)
+
+    async def show(i: int) -> None:
+        await client.instance("show", "bench", "p", f"vm-{i}")
+
+    shown, shown_wall = await timed(STARTS, CALLERS, show)
+
+    async def start(i: int) -> None:
+        await client.instance("start", "bench", "p", f"vm-{i}")
+
+    commits = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+    before = await db.fetchval(commits)
+    t0 = time.perf_counter()
+    started, started_wall = await timed(STARTS, CALLERS, start)
+
+    async def all_running() -> bool:
+        return (
+            await db.fetchval("SELECT count(*) FROM instance_manager.instances WHERE state = 'running'")
+            >= STARTS
+        )
+
+    await eventually(all_running, timeout=600, interval=0.1)
+    running_wall = time.perf_counter() - t0
+    per_start = (await db.fetchval(commits) - before) / STARTS
+    p99 = statistics.quantiles(started, n=100)[98]
+    print(
+        f"\nRESULT {STARTS} instances, {CALLERS} concurrent callers, VMM boot time 0\n"
+        f"{summary('create', made, made_wall)}\n"
+        f"{summary('show (baseline)', shown, shown_wall)}\n"
+        f"{summary('start', started, started_wall)}\n"
+        f"  all {STARTS} running {running_wall:.1f} s after the first start "
+        f"({STARTS / running_wall:.0f} a second)\n"
+        f"  {per_start:.0f} database transactions a start (every service, until all run)\n"
+        f"  start vs show: {statistics.median(started) / statistics.median(shown):.1f}x at p50, "
+        f"{(STARTS / started_wall) / (STARTS / shown_wall):.2f} of its rate\n"
+        f"  target: 400 starts a second ({STARTS / started_wall:.0f}), p99 <= 250 ms ({p99 * 1000:.0f} ms)"
+    )
