@@ -434,7 +434,7 @@ class OutboxRelay:
         """Publish the rows and wait for every ack; through the fault layer when it is on (it may delay,
         copy, reorder or refuse them: the rows stay until their acks, so a refused or lost publish is sent
         again by a later drain)."""
-        if FAULTS.active and FAULTS.faults_any_outgoing(subject for subject, _, _ in messages):
+        if FAULTS.faults_any_outgoing(subject for subject, _, _ in messages):
             acks = [await FAULTS.publish_async(self.js, *m) for m in messages]
             await asyncio.wait_for(asyncio.gather(*acks), timeout=ACK_TIMEOUT)
         else:
