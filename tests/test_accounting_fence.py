@@ -56,9 +56,10 @@ async def silo_ids(client: Client, db: asyncpg.Pool) -> tuple[str, str, uuid.UUI
     silo, proj = unique("fence"), unique("proj")
     s = await client.silo_create(silo)
     p = await client.project_create(silo, proj)
+    project_id = uuid.UUID(p["id"])
 
-    async def known() -> bool:  # accounting learns of the silo from its creation event
-        return bool(await db.fetchval("SELECT count(*) FROM accounting.silos WHERE name = $1", silo))
+    async def known() -> bool:  # accounting learns of the silo and the project from their creation events
+        return bool(await db.fetchval("SELECT count(*) FROM accounting.projects WHERE id = $1", project_id))
 
     await eventually(known)
     return silo, proj, uuid.UUID(s["id"]), uuid.UUID(p["id"])

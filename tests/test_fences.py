@@ -24,10 +24,12 @@ from shared import bus, subjects
 from shared.messages import (
     AutoRestart,
     HoldAcksFault,
+    LostVmm,
     Model,
     Quota,
     ServiceFaults,
     VmmLost,
+    VmmLostV2,
     VmmStuck,
     VmmZombie,
 )
@@ -84,6 +86,7 @@ async def order(stack: Stack, body: Model) -> Any:
     """Send one of recovery's orders as recovery would: with its credential, on its fleet subject."""
     resource, verb = {
         VmmLost: ("vmm", "lost"),
+        VmmLostV2: ("vmm", "lost"),
         VmmStuck: ("vmm", "stuck"),
         VmmZombie: ("vmm", "zombie"),
     }[type(body)]
@@ -177,6 +180,47 @@ async def test_orders_decided_on_an_old_view_are_refused_as_stale(rack: MakeRack
     assert await counter(client, "instance-manager", "orders.stale.zombie") == 1
     now = await client.instance("show", silo, proj, "vm")
     assert (now["state"], now["active_vmm_id"], now["generation"]) == ("running", v["active_vmm_id"], gen)
+    await assert_invariants(db)
+
+
+async def test_one_lost_order_for_many_vmms_checks_each_on_its_own(rack: MakeRack) -> None:
+    """v2 of `vmm.lost` names a rebooted sled's VMMs together, and is applied in one transaction: what
+    still holds fails, what has moved is refused as stale (counted), and the reply says which."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    v = await running(client, silo, proj, ["a", "b", "c"])
+    stack.services["recovery"].stop()  # this test sends the orders recovery would
+    await client.sim_sled("reboot", "sled-0")
+    await eventually(lambda: _boot_is(client, "sled-0", 2))
+
+    def seen(name: str, **moved: Any) -> LostVmm:
+        i = v[name]
+        return LostVmm(
+            instance_id=uuid.UUID(i["id"]),
+            generation=moved.get("generation", i["generation"]),
+            vmm_id=moved.get("vmm_id", uuid.UUID(i["active_vmm_id"])),
+            vmm_boot=i["vmm_boot_number"],
+        )
+
+    body = VmmLostV2(
+        sled_id="sled-0",
+        sled_boot=2,
+        vmms=[seen("a"), seen("b", generation=v["b"]["generation"] - 1), seen("c", vmm_id=uuid.uuid4())],
+    )
+    results = (await order(stack, body))["results"]
+    a, b, c = (results[str(x.vmm_id)] for x in body.vmms)
+    assert a == "failed"
+    assert b.startswith("stale: ") and "is at generation" in b, b
+    assert c.startswith("stale: ") and "has no record" in c, c
+    assert await counter(client, "instance-manager", "orders.stale.lost") == 2
+    assert (await client.instance("show", silo, proj, "a"))["state"] == "failed"
+    for n in ("b", "c"):
+        now = await client.instance("show", silo, proj, n)
+        assert (now["state"], now["active_vmm_id"]) == ("running", v[n]["active_vmm_id"]), now
+
+    stack.start_service("recovery")  # its own orders, on its own picture, finish the repair
+    await wait_state(client, silo, proj, "b", "stopped", timeout=20)
+    await wait_state(client, silo, proj, "c", "stopped", timeout=20)
     await assert_invariants(db)
 
 

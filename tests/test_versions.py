@@ -1,21 +1,26 @@
 """Versions that evolve (docs/subjects.md, "Versions"): `rp.evt.instance.changed` v2 goes out beside v1
 for the deprecation window, a reader of either sees every change, v1 can be turned off, and a recovery of
-the release before v2, reading v1 alone, still repairs what a reboot broke."""
+the release before v2, reading v1 alone, still repairs what a reboot broke. `rp.cmd.vmm.lost` v2 falls
+back to v1 when the instance-manager that answers knows only v1."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
+from nats.aio.msg import Msg
 
 from rackctl.client import Client
-from shared import subjects
+from services.recovery.reconcile import Reconciler
+from shared import bus, subjects
 from shared.config import ConfigError, Settings
-from shared.messages import AutoRestart
+from shared.messages import AutoRestart, LostVmm, VmmLost, VmmLostV2
 from tests import release
 from tests.conftest import (
     GiB,
     assert_invariants,
+    connect_as,
     eventually,
     instance_changes,
     private_rack,
@@ -128,3 +133,33 @@ async def test_a_recovery_at_the_release_before_v2_still_gets_every_event_and_re
             assert v2.num_pending > 0  # left unread: the old recovery did all of it on v1
             assert stack.services["recovery-old"].alive
             await assert_invariants(db)
+
+
+async def test_recovery_sends_lost_orders_one_by_one_to_an_instance_manager_that_knows_only_v1() -> None:
+    """Mid-upgrade, an instance-manager of the release before `rp.cmd.vmm.lost` v2 answers it
+    `unsupported_version`: recovery then sends the same order as v1, one VMM at a time."""
+    async with private_rack("lost-v1", RACKPLANE_SLEDS="1") as (stack, _, _):
+        stack.services["instance_manager"].stop()
+        old, nc = await connect_as(stack, "instance-manager"), await connect_as(stack, "recovery")
+        got: list[VmmLost] = []
+
+        async def v1_only(body: VmmLost, msg: Msg) -> dict[str, Any]:
+            got.append(body)
+            return {"result": "failed"}
+
+        try:
+            await bus.serve(
+                old, subjects.command_pattern("vmm"), {VmmLost: v1_only}, queue="instance-manager"
+            )
+            vmms = [
+                LostVmm(instance_id=uuid.uuid4(), generation=4, vmm_id=uuid.uuid4(), vmm_boot=1)
+                for _ in "abc"
+            ]
+            await Reconciler(None, nc, stack.database_url)._lost(  # type: ignore[arg-type]
+                VmmLostV2(sled_id="sled-0", sled_boot=2, vmms=vmms)
+            )
+        finally:
+            await old.close()
+            await nc.close()
+        assert sorted(v.vmm_id for v in got) == sorted(v.vmm_id for v in vmms)
+        assert {(v.sled_id, v.sled_boot, v.vmm_boot, v.generation) for v in got} == {("sled-0", 2, 1, 4)}

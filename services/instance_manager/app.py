@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 from services.instance_manager.saga import Executor
 from shared import bus, subjects, telemetry
 from shared.config import event_v1, restart_backoff_max, restart_cooldown, sled_unknown_after
-from shared.db import OutboxRelay, enqueue, enqueue_many, queries
+from shared.db import OutboxRelay, enqueue_many, queries
 from shared.messages import (
     InstanceChanged,
     InstanceChangedV2,
@@ -82,16 +82,39 @@ class App:
 
     async def instance_changed(self, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
         """Publish the instance as it now is, once the caller's transaction commits."""
-        v = await self.view(conn, instance_id)
-        await enqueue_many(conn, instance_events(v, v1=self.send_v1), source=SOURCE)
+        views = await self.instances_changed(conn, [instance_id])
+        if not views:
+            raise bus.NotFound(f"no instance {instance_id}")
+        return views[0]
+
+    async def instances_changed(self, conn: asyncpg.Connection, ids: list[uuid.UUID]) -> list[InstanceView]:
+        """`instance_changed` for many instances: one query for their views, one statement for the events."""
+        views = await self.views(conn, ids)
+        await enqueue_many(
+            conn, [e for v in views for e in instance_events(v, v1=self.send_v1)], source=SOURCE
+        )
         self.relay.kick()
-        return v
+        return views
 
     async def release_charge(self, conn: asyncpg.Connection, instance_id: uuid.UUID, generation: int) -> None:
-        """Queue the instance's charge as of `generation`: disk only (or nothing, once destroyed)."""
-        v = await self.view(conn, instance_id)
-        disk = 0 if v.state == "destroyed" else v.disk_bytes
-        await self.send_delta(conn, v, generation, vcpus=0, ram_bytes=0, disk_bytes=disk)
+        await self.release_charges(conn, [(await self.view(conn, instance_id), generation)])
+
+    async def release_charges(
+        self, conn: asyncpg.Connection, released: list[tuple[InstanceView, int]]
+    ) -> None:
+        """Queue each instance's charge as of its generation: disk only (or nothing, once destroyed)."""
+        await self.send_deltas(
+            conn,
+            [
+                (
+                    v,
+                    _delta(
+                        v, gen, vcpus=0, ram_bytes=0, disk_bytes=0 if v.state == "destroyed" else v.disk_bytes
+                    ),
+                )
+                for v, gen in released
+            ],
+        )
 
     async def send_delta(
         self,
@@ -103,22 +126,25 @@ class App:
         ram_bytes: int,
         disk_bytes: int,
     ) -> None:
-        delta = ProvisionDelta(
-            instance_id=v.id,
-            project_id=v.project_id,
-            silo_id=v.silo_id,
-            generation=generation,
-            vcpus=vcpus,
-            ram_bytes=ram_bytes,
-            disk_bytes=disk_bytes,
+        delta = _delta(v, generation, vcpus=vcpus, ram_bytes=ram_bytes, disk_bytes=disk_bytes)
+        await self.send_deltas(conn, [(v, delta)])
+
+    async def send_deltas(
+        self, conn: asyncpg.Connection, deltas: list[tuple[InstanceView, ProvisionDelta]]
+    ) -> None:
+        """Mark the charges pending and queue their deltas, in two statements however many there are."""
+        if not deltas:
+            return
+        await conn.execute(
+            Q["charges_pending"], [d.instance_id for _, d in deltas], [d.generation for _, d in deltas]
         )
-        await conn.execute(Q["charge_pending"], v.id, generation)
-        await enqueue(
+        await enqueue_many(
             conn,
-            subjects.provision_delta(v.silo, v.project, v.id),
-            delta,
+            [
+                (subjects.provision_delta(v.silo, v.project, v.id), d, f"delta:{v.id}:{d.generation}")
+                for v, d in deltas
+            ],
             source=SOURCE,
-            key=f"delta:{v.id}:{generation}",
         )
         self.relay.kick()
 
@@ -139,7 +165,7 @@ class App:
                 row = await self.pool.fetchrow(Q["outcome_get"], *key)
                 if row is not None:
                     return row["outcome"], row["reason"]
-                await self.pool.execute(Q["charge_pending"], *key)
+                await self.pool.execute(Q["charges_pending"], [delta.instance_id], [delta.generation])
                 try:
                     await bus.publish(
                         self.js,
@@ -180,6 +206,20 @@ class App:
                 return
         if (ev := self._waiters.get((outcome.instance_id, outcome.generation))) is not None:
             ev.set()
+
+
+def _delta(
+    v: InstanceView, generation: int, *, vcpus: int, ram_bytes: int, disk_bytes: int
+) -> ProvisionDelta:
+    return ProvisionDelta(
+        instance_id=v.id,
+        project_id=v.project_id,
+        silo_id=v.silo_id,
+        generation=generation,
+        vcpus=vcpus,
+        ram_bytes=ram_bytes,
+        disk_bytes=disk_bytes,
+    )
 
 
 def instance_events(v: InstanceView, *, v1: bool) -> list[tuple[str, Model, str | None]]:

@@ -37,6 +37,7 @@ from shared.messages import (
     SledExpunge,
     SledList,
     VmmLost,
+    VmmLostV2,
     VmmStuck,
     VmmZombie,
 )
@@ -90,7 +91,12 @@ class Commands:
         await bus.serve(
             nc,
             subjects.command_pattern("vmm"),
-            {VmmLost: self.vmm_lost, VmmStuck: self.vmm_stuck, VmmZombie: self.vmm_zombie},
+            {
+                VmmLost: self.vmm_lost_one,
+                VmmLostV2: self.vmm_lost,
+                VmmStuck: self.vmm_stuck,
+                VmmZombie: self.vmm_zombie,
+            },
             queue=q,
         )
 
@@ -275,9 +281,20 @@ class Commands:
         self.app.relay.kick()
         return {"settled": True}
 
-    async def vmm_lost(self, body: VmmLost, msg: Msg) -> dict[str, Any]:
+    async def vmm_lost(self, body: VmmLostV2, msg: Msg) -> dict[str, Any]:
+        """Every VMM of the order, in one transaction: `{results: {vmm_id: result}}`, where a result
+        that starts with `stale: ` says why that VMM was left alone."""
         async with self.app.pool.acquire() as conn, conn.transaction():
-            result = await orders.lost(self.app, conn, body)
+            results = await orders.lost(self.app, conn, body)
+        self.app.relay.kick()
+        return {"results": {str(k): v for k, v in results.items()}}
+
+    async def vmm_lost_one(self, body: VmmLost, msg: Msg) -> dict[str, Any]:
+        """v1: one VMM, answered as before (`{result}`, or the error `stale`)."""
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            result = (await orders.lost(self.app, conn, VmmLostV2.of(body)))[body.vmm_id]
+            if result.startswith("stale: "):
+                raise bus.CommandError("stale", result.removeprefix("stale: "))
         self.app.relay.kick()
         return {"result": result}
 
@@ -298,7 +315,7 @@ class Commands:
     async def sled_expunge(self, body: SledExpunge, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():
             failed = await lifecycle.expunge(self.app, conn, body.sled_id)
-            sled = await sleds.announce(self.app, conn, body.sled_id, "expunged")
+            (sled,) = await sleds.announce(self.app, conn, {body.sled_id: "expunged"})
         return {**sled.model_dump(mode="json"), "vmms_failed": failed}
 
     async def sled_list(self, body: SledList, msg: Msg) -> dict[str, Any]:

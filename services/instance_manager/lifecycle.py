@@ -12,7 +12,7 @@ import asyncpg
 
 from services.instance_manager.app import SOURCE, App, Q
 from shared import bus, subjects, telemetry
-from shared.db import enqueue
+from shared.db import enqueue, enqueue_many
 from shared.messages import InstanceView, VmmDestroy, VmmReport, VmmState, VmmStop
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ async def apply_vmm_report(app: App, report: VmmReport) -> str:
             failed = report.state is not VmmState.stopped
             reason = f"VMM {report.vmm_id} {report.state.value} on {report.sled_id}"
             evidence = Evidence("vmm", vmm["boot_number"], report.boot_number) if failed else None
-            await _active_vmm_ended(app, conn, inst, vmm, reason, evidence)
+            await _active_vmms_ended(app, conn, [Ended(inst, vmm, reason, evidence)])
         telemetry.count("reports.applied")
         return "applied"
 
@@ -135,37 +135,50 @@ class Evidence:
     """The sled's boot that shows it gone (for `rebooted`: a later one)."""
 
 
-async def _active_vmm_ended(
-    app: App,
-    conn: asyncpg.Connection,
-    inst: asyncpg.Record,
-    vmm: asyncpg.Record,
-    reason: str,
-    evidence: Evidence | None,
-) -> None:
-    """The instance's VMM is gone: it lets go of it and of its vCPU/RAM charge, and is stopped, or failed
-    if it did not mean to stop (`evidence` says why it failed; None for a VMM that stopped as asked). A
-    migration under way ends with it: its target has nothing to take over."""
-    instance_id = inst["id"]
-    if inst["target_vmm_id"] is not None:
-        await _end_vmm(conn, inst["target_vmm_id"], "destroyed")
-    if evidence is not None:
+@dataclass(frozen=True)
+class Ended:
+    """An instance whose active VMM is gone, and why."""
+
+    inst: asyncpg.Record
+    vmm: asyncpg.Record
+    reason: str
+    evidence: Evidence | None
+    """Why it failed; None for a VMM that stopped as asked."""
+
+    @property
+    def state(self) -> str:
+        """Failed if it did not mean to stop; stopped otherwise."""
+        return "failed" if self.evidence is not None and self.inst["state"] != "stopping" else "stopped"
+
+
+async def _active_vmms_ended(app: App, conn: asyncpg.Connection, ended: list[Ended]) -> None:
+    """Instances whose VMMs are gone let go of them and of their vCPU/RAM charges, and are stopped or
+    failed (Ended.state). A migration under way ends with its source: its target has nothing to take
+    over. A fixed number of statements however many there are: a sled's reboot ends hundreds at once."""
+    if not ended:
+        return
+    await _end_vmms(conn, [e.inst["target_vmm_id"] for e in ended if e.inst["target_vmm_id"]], "destroyed")
+    failed = [e for e in ended if e.evidence is not None]
+    if failed:
         await conn.execute(
-            Q["failure_record"],
-            instance_id,
-            vmm["id"],
-            vmm["sled_id"],
-            evidence.kind,
-            reason,
-            evidence.vmm_boot,
-            evidence.proof_boot,
+            Q["failures_record"],
+            [e.inst["id"] for e in failed],
+            [e.vmm["id"] for e in failed],
+            [e.vmm["sled_id"] for e in failed],
+            [e.evidence.kind for e in failed if e.evidence],
+            [e.reason for e in failed],
+            [e.evidence.vmm_boot for e in failed if e.evidence],
+            [e.evidence.proof_boot for e in failed if e.evidence],
         )
-    new_state = "failed" if evidence is not None and inst["state"] != "stopping" else "stopped"
-    gen = await conn.fetchval(
-        Q["instance_vmm_ended"], instance_id, new_state, reason if new_state == "failed" else None
+    rows = await conn.fetch(
+        Q["instances_vmm_ended"],
+        [e.inst["id"] for e in ended],
+        [e.state for e in ended],
+        [e.reason if e.state == "failed" else None for e in ended],
     )
-    await app.release_charge(conn, instance_id, gen)
-    await app.instance_changed(conn, instance_id)
+    generation = {r["id"]: r["generation"] for r in rows}
+    views = await app.instances_changed(conn, [e.inst["id"] for e in ended])
+    await app.release_charges(conn, [(v, generation[v.id]) for v in views])
 
 
 async def _migration_end(
@@ -176,7 +189,7 @@ async def _migration_end(
     source. Either way it is running again, and its charge never moved."""
     source, target = inst["active_vmm_id"], inst["target_vmm_id"]
     if took_over:
-        await _end_vmm(conn, source, "destroyed")
+        await _end_vmms(conn, [source], "destroyed")
         await conn.fetchval(Q["migration_end"], inst["id"], target, target, None)
         telemetry.count("migrations.done")
     else:
@@ -189,7 +202,7 @@ async def end_unclaimed_vmm(conn: asyncpg.Connection, vmm_id: uuid.UUID) -> None
     """A saga's undo of a VMM it made: end the record (and have the sled destroy it), unless an instance
     runs on it by now. No undo ever ends an instance's active VMM: a step retried after the move or the
     start it began had already completed finds the VMM in use, and leaves it so."""
-    vmm = await conn.fetchrow(Q["vmm_lock"], vmm_id, 0)
+    vmm = await conn.fetchrow(Q["vmms_lock"], [vmm_id], 0)
     if vmm is None or vmm["ended_at"] is not None:
         return
     inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
@@ -197,49 +210,68 @@ async def end_unclaimed_vmm(conn: asyncpg.Connection, vmm_id: uuid.UUID) -> None
         telemetry.count("saga.undo_spared_active_vmm")
         log.warning("undo of VMM %s left it alone: instance %s runs on it", vmm_id, inst["id"])
         return
-    await _end_vmm(conn, vmm_id, "destroyed")
+    await _end_vmms(conn, [vmm_id], "destroyed")
 
 
-async def _end_vmm(conn: asyncpg.Connection, vmm_id: uuid.UUID, state: str) -> asyncpg.Record | None:
-    """End a VMM record the control plane gives up on, and release its room; its sled is told to destroy
-    it, in case it still runs there (through the outbox, so the order always follows the record's end).
-    Idempotent: returns the record only if this call ended it."""
-    vmm = await conn.fetchrow(Q["vmm_end"], vmm_id, state)
-    if vmm is None:
-        return None
-    await conn.execute(Q["unreserve"], vmm["sled_id"], vmm["vcpus"], vmm["ram_bytes"])
-    await enqueue(
+async def _end_vmms(conn: asyncpg.Connection, vmm_ids: list[uuid.UUID], state: str) -> list[asyncpg.Record]:
+    """End VMM records the control plane gives up on, and release their room; their sleds are told to
+    destroy them, in case they still run there (through the outbox, so the order always follows the
+    record's end). Idempotent: returns only the records this call ended."""
+    if not vmm_ids:
+        return []
+    ended = await conn.fetch(Q["vmms_end"], vmm_ids, state)
+    await enqueue_many(
         conn,
-        subjects.sled_command(vmm["sled_id"], "vmm.destroy"),
-        VmmDestroy(vmm_id=vmm_id),
+        [
+            (
+                subjects.sled_command(v["sled_id"], "vmm.destroy"),
+                VmmDestroy(vmm_id=v["id"]),
+                f"destroy:{v['id']}",
+            )
+            for v in ended
+        ],
         source=SOURCE,
-        key=f"destroy:{vmm_id}",
     )
-    return vmm
+    return ended
 
 
-async def fail_vmm(
-    app: App, conn: asyncpg.Connection, vmm_id: uuid.UUID, reason: str, evidence: Evidence
-) -> str:
-    """A VMM runs nowhere any more (its sled rebooted or was expunged, or it never answered in time).
+@dataclass(frozen=True)
+class Lost:
+    """A VMM that runs nowhere any more, and why."""
 
-    Idempotent: a VMM that has already ended is left alone. The sled is told to destroy it all the same,
-    in case it does still run somewhere (it would be a zombie). The caller has checked that this is so
-    (orders.py): this only carries it out.
+    vmm_id: uuid.UUID
+    reason: str
+    evidence: Evidence
+
+
+async def fail_vmms(app: App, conn: asyncpg.Connection, lost: list[Lost]) -> dict[uuid.UUID, str]:
+    """VMMs that run nowhere any more (their sled rebooted or was expunged, or they never answered in
+    time). Returns what became of each: failed (its instance failed), migration called off (it was a
+    migration's target), detached (no instance ran on it), or already ended (left alone).
+
+    Idempotent. Each sled is told to destroy its VMMs all the same, in case one does still run (it would be
+    a zombie). The caller has checked that each is lost (orders.py): this only carries it out, in a fixed
+    number of statements (a migration called off takes its own few).
     """
-    vmm = await _end_vmm(conn, vmm_id, "failed")
-    if vmm is None:
-        telemetry.count("vmms.lost_already_ended")
-        return "already ended"
-    telemetry.count("vmms.lost")
-    inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
-    if inst["target_vmm_id"] == vmm_id:
-        await _migration_end(app, conn, inst, took_over=False, reason=reason)
-        return "migration called off"
-    if inst["active_vmm_id"] != vmm_id:
-        return "detached"
-    await _active_vmm_ended(app, conn, inst, vmm, reason, evidence)
-    return "failed"
+    why = {x.vmm_id: x for x in lost}
+    results = dict.fromkeys(why, "already ended")
+    ended = await _end_vmms(conn, sorted(why, key=lambda u: u.int), "failed")
+    telemetry.count("vmms.lost_already_ended", len(lost) - len(ended))
+    telemetry.count("vmms.lost", len(ended))
+    insts = {r["id"]: r for r in await conn.fetch(Q["instances_lock"], [v["instance_id"] for v in ended])}
+    gone: list[Ended] = []
+    for vmm in ended:
+        inst, x = insts[vmm["instance_id"]], why[vmm["id"]]
+        if inst["target_vmm_id"] == vmm["id"]:
+            await _migration_end(app, conn, inst, took_over=False, reason=x.reason)
+            results[vmm["id"]] = "migration called off"
+        elif inst["active_vmm_id"] != vmm["id"]:
+            results[vmm["id"]] = "detached"
+        else:
+            gone.append(Ended(inst, vmm, x.reason, x.evidence))
+            results[vmm["id"]] = "failed"
+    await _active_vmms_ended(app, conn, gone)
+    return results
 
 
 async def expunge(app: App, conn: asyncpg.Connection, sled_id: str) -> int:
@@ -249,9 +281,12 @@ async def expunge(app: App, conn: asyncpg.Connection, sled_id: str) -> int:
         raise bus.NotFound(f"no sled {sled_id}")
     await conn.execute(Q["sled_expunge"], sled_id)
     vmms = await conn.fetch(Q["vmms_live_on_sled"], sled_id)
-    for v in vmms:
-        evidence = Evidence("expunged", v["boot_number"], sled["boot_number"])
-        await fail_vmm(app, conn, v["id"], f"sled {sled_id} was expunged", evidence)
+    reason = f"sled {sled_id} was expunged"
+    await fail_vmms(
+        app,
+        conn,
+        [Lost(v["id"], reason, Evidence("expunged", v["boot_number"], sled["boot_number"])) for v in vmms],
+    )
     return len(vmms)
 
 

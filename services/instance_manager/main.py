@@ -37,12 +37,11 @@ async def build(settings: Settings) -> App:
 
 
 def consumers(app: App) -> list[bus.Consumer]:
+    """Inventories are applied in batches (sleds.apply_inventories); reports and outcomes one by one."""
+
     async def on_report(env: Envelope, report: VmmReport, msg: Msg) -> None:
         await lifecycle.apply_vmm_report(app, report)
         app.relay.kick()
-
-    async def on_inventory(env: Envelope, inv: SledInventory, msg: Msg) -> None:
-        await sleds.apply_inventory(app, inv)
 
     async def on_outcome(env: Envelope, outcome: ProvisionOutcome, msg: Msg) -> None:
         await app.record_outcome(outcome)
@@ -59,13 +58,13 @@ def consumers(app: App) -> list[bus.Consumer]:
             expect=VmmReport,
             verify=subjects.sled_claim_error,
         ),
-        bus.Consumer(
+        bus.BatchConsumer(
             app.js,
             **common,
             stream=subjects.SLED_REPORT_STREAM,
             durable="instance-manager-inventory",
             filter_subject=subjects.sled_report("*", "inventory"),
-            handler=on_inventory,
+            batch_handler=lambda batch: sleds.apply_inventories(app, batch),
             verify=subjects.sled_claim_error,
             expect=SledInventory,
         ),

@@ -55,7 +55,7 @@ async def interlock(ctx: Context) -> dict[str, Any]:
         raise bus.Conflict(f"instance is {state}; only a running instance can be migrated")
     source = await ctx.tx.fetchrow(Q["vmm_live"], won["active_vmm_id"])
     if to_sled is not None:
-        sled = await ctx.tx.fetchrow(Q["sled_view"], to_sled)
+        sled = await ctx.tx.fetchrow(Q["sleds_view"], [to_sled])
         if sled is None:
             raise bus.NotFound(f"no sled {to_sled}")
         if to_sled == source["sled_id"]:

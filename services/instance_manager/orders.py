@@ -20,12 +20,12 @@ import uuid
 import asyncpg
 
 from services.instance_manager.app import SOURCE, App, Q
-from services.instance_manager.lifecycle import Evidence, fail_vmm
+from services.instance_manager.lifecycle import Evidence, Lost, fail_vmms
 from shared import bus, subjects, telemetry
 from shared.config import sled_unknown_after, transition_timeout, zombie_grace
 from shared.db import enqueue
 from shared.faults import FAULTS
-from shared.messages import VmmDestroy, VmmLost, VmmStuck, VmmZombie
+from shared.messages import LostVmm, VmmDestroy, VmmLostV2, VmmStuck, VmmZombie
 
 log = logging.getLogger(__name__)
 
@@ -44,49 +44,89 @@ def _fenced() -> bool:
     return not (FAULTS.settings.skip_order_fence or False)
 
 
-async def _claimed(
-    conn: asyncpg.Connection, order: str, vmm_id: uuid.UUID, instance_id: uuid.UUID, generation: int
-) -> tuple[asyncpg.Record, asyncpg.Record]:
-    """The live VMM record and its instance, locked, if the instance is still at `generation`."""
-    vmm = await conn.fetchrow(Q["vmm_lock"], vmm_id, 0)
+def _check_claim(
+    order: str,
+    vmm: asyncpg.Record | None,
+    inst: asyncpg.Record | None,
+    vmm_id: uuid.UUID,
+    instance_id: uuid.UUID,
+    generation: int,
+) -> None:
+    """Raise Stale unless the VMM record is live and its instance is still at `generation` with it active
+    or as its migration target."""
     if vmm is None or vmm["ended_at"] is not None:
         raise Stale(order, f"VMM {vmm_id} has {'no record' if vmm is None else 'ended already'}")
-    inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
-    if _fenced():
-        if inst["id"] != instance_id:
-            raise Stale(order, f"VMM {vmm_id} belongs to instance {inst['id']}, not {instance_id}")
-        if inst["generation"] != generation:
-            raise Stale(
-                order, f"instance {instance_id} is at generation {inst['generation']}, not {generation}"
-            )
-        if vmm_id not in (inst["active_vmm_id"], inst["target_vmm_id"]):
-            raise Stale(order, f"instance {instance_id} no longer runs on VMM {vmm_id}")
-    return vmm, inst
+    if not _fenced():
+        return
+    assert inst is not None
+    if inst["id"] != instance_id:
+        raise Stale(order, f"VMM {vmm_id} belongs to instance {inst['id']}, not {instance_id}")
+    if inst["generation"] != generation:
+        raise Stale(order, f"instance {instance_id} is at generation {inst['generation']}, not {generation}")
+    if vmm_id not in (inst["active_vmm_id"], inst["target_vmm_id"]):
+        raise Stale(order, f"instance {instance_id} no longer runs on VMM {vmm_id}")
 
 
-async def lost(app: App, conn: asyncpg.Connection, order: VmmLost) -> str:
-    """A VMM whose sled has come back on a later boot than the one it was placed on is gone."""
-    vmm, _ = await _claimed(conn, "lost", order.vmm_id, order.instance_id, order.generation)
-    if _fenced():
-        if vmm["sled_id"] != order.sled_id:
-            raise Stale("lost", f"VMM {order.vmm_id} is on {vmm['sled_id']}, not {order.sled_id}")
-        if vmm["boot_number"] != order.vmm_boot:
-            raise Stale(
-                "lost", f"VMM {order.vmm_id} was placed on boot {vmm['boot_number']}, not {order.vmm_boot}"
+async def _locked(
+    conn: asyncpg.Connection, vmm_ids: list[uuid.UUID]
+) -> tuple[dict[uuid.UUID, asyncpg.Record], dict[uuid.UUID, asyncpg.Record]]:
+    """The VMM records and their instances, locked in that order (each in id order), by id."""
+    vmms = {r["id"]: r for r in await conn.fetch(Q["vmms_lock"], sorted(vmm_ids, key=lambda u: u.int), 0)}
+    live = {r["instance_id"] for r in vmms.values() if r["ended_at"] is None}
+    insts = {r["id"]: r for r in await conn.fetch(Q["instances_lock"], sorted(live, key=lambda u: u.int))}
+    return vmms, insts
+
+
+async def lost(app: App, conn: asyncpg.Connection, order: VmmLostV2) -> dict[uuid.UUID, str]:
+    """VMMs whose sled has come back on a later boot than the one they were placed on are gone. Each is
+    checked on its own; those that pass are failed together (lifecycle.fail_vmms). Returns, for each
+    VMM, what became of it, or `stale: <why>`."""
+    vmms, insts = await _locked(conn, [v.vmm_id for v in order.vmms])
+    sled = await conn.fetchrow(Q["sled_seen"], order.sled_id, sled_unknown_after())
+    reason = f"sled {order.sled_id} rebooted (boot %d ended; boot {order.sled_boot} began)"
+    results: dict[uuid.UUID, str] = {}
+    doomed: list[Lost] = []
+    for v in order.vmms:
+        vmm = vmms.get(v.vmm_id)
+        try:
+            _check_claim(
+                "lost",
+                vmm,
+                insts.get(vmm["instance_id"]) if vmm else None,
+                v.vmm_id,
+                v.instance_id,
+                v.generation,
             )
-        sled = await conn.fetchrow(Q["sled_seen"], order.sled_id, sled_unknown_after())
-        if sled is None or (sled["boot_number"] or 0) < order.sled_boot:
-            held = sled["boot_number"] if sled else None
-            raise Stale("lost", f"sled {order.sled_id} is on boot {held} here, not yet {order.sled_boot}")
-    reason = f"sled {order.sled_id} rebooted (boot {order.vmm_boot} ended; boot {order.sled_boot} began)"
-    evidence = Evidence("rebooted", vmm["boot_number"], order.sled_boot)
-    return await fail_vmm(app, conn, order.vmm_id, reason, evidence)
+            assert vmm is not None
+            if _fenced():
+                _check_lost(order, v, vmm, sled)
+        except Stale as e:
+            results[v.vmm_id] = f"stale: {e.message}"
+            continue
+        doomed.append(
+            Lost(v.vmm_id, reason % v.vmm_boot, Evidence("rebooted", vmm["boot_number"], order.sled_boot))
+        )
+    return results | await fail_vmms(app, conn, doomed)
+
+
+def _check_lost(order: VmmLostV2, v: LostVmm, vmm: asyncpg.Record, sled: asyncpg.Record | None) -> None:
+    if vmm["sled_id"] != order.sled_id:
+        raise Stale("lost", f"VMM {v.vmm_id} is on {vmm['sled_id']}, not {order.sled_id}")
+    if vmm["boot_number"] != v.vmm_boot:
+        raise Stale("lost", f"VMM {v.vmm_id} was placed on boot {vmm['boot_number']}, not {v.vmm_boot}")
+    if sled is None or (sled["boot_number"] or 0) < order.sled_boot:
+        held = sled["boot_number"] if sled else None
+        raise Stale("lost", f"sled {order.sled_id} is on boot {held} here, not yet {order.sled_boot}")
 
 
 async def stuck(app: App, conn: asyncpg.Connection, order: VmmStuck) -> str:
     """An instance that has been starting, stopping or migrating past the timeout, on a sled that answers,
     loses that VMM (a migration is called off; the instance runs on where it was)."""
-    vmm, inst = await _claimed(conn, "stuck", order.vmm_id, order.instance_id, order.generation)
+    vmms, insts = await _locked(conn, [order.vmm_id])
+    vmm = vmms.get(order.vmm_id)
+    inst = insts.get(vmm["instance_id"]) if vmm else None
+    _check_claim("stuck", vmm, inst, order.vmm_id, order.instance_id, order.generation)
+    assert vmm is not None and inst is not None
     timeout = transition_timeout()
     if _fenced():
         if inst["state"] != order.state:
@@ -104,14 +144,15 @@ async def stuck(app: App, conn: asyncpg.Connection, order: VmmStuck) -> str:
                 "stuck", f"sled {vmm['sled_id']} does not answer: its instances are unknown, not failed"
             )
     reason = f"{order.state} for over {timeout:g}s"
-    return await fail_vmm(app, conn, order.vmm_id, reason, Evidence("stuck", vmm["boot_number"], None))
+    lost = Lost(order.vmm_id, reason, Evidence("stuck", vmm["boot_number"], None))
+    return (await fail_vmms(app, conn, [lost]))[order.vmm_id]
 
 
 async def zombie(app: App, conn: asyncpg.Connection, order: VmmZombie) -> str:
     """A VMM a sled runs that nobody claims: destroyed, if no instance names it as active or target right
     now and its record (if it has one) ended longer than the grace period ago, by this service's clock."""
     grace = zombie_grace()
-    vmm = await conn.fetchrow(Q["vmm_lock"], order.vmm_id, grace)
+    vmm = await conn.fetchrow(Q["vmms_lock"], [order.vmm_id], grace)
     claimants = await conn.fetch(Q["vmm_claimants"], order.vmm_id)
     if _fenced():
         if claimants:

@@ -82,6 +82,12 @@ WHERE i.state <> 'destroyed' AND ($1::text IS NULL OR s.name = $1) AND ($2::text
 ORDER BY s.name, p.name, i.name
 LIMIT $6 + 1;
 
+-- name: instances_lock
+-- Many instances, locked in id order.
+SELECT id, project_id, state, generation, active_vmm_id, target_vmm_id, vcpus, ram_bytes, disk_bytes,
+       pool_id, has_customer_data_at
+FROM instances WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE;
+
 -- name: instance_lock
 SELECT id, project_id, state, generation, active_vmm_id, target_vmm_id, vcpus, ram_bytes, disk_bytes,
        pool_id, has_customer_data_at
@@ -180,13 +186,20 @@ INSERT INTO vmms (id, instance_id, sled_id, vcpus, ram_bytes, boot_id, boot_numb
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 ON CONFLICT (id) DO NOTHING;
 
--- name: vmm_end
--- End a VMM record (idempotent); returns it only if this call ended it, so its reservation is released
--- exactly once.
-UPDATE vmms SET state = $2, ended_at = now()
-WHERE id = $1 AND ended_at IS NULL
-RETURNING id, instance_id, sled_id, vcpus, ram_bytes, boot_number;
-
+-- name: vmms_end
+-- End the VMM records $1 (state $2) and give their room back to their sleds, in one statement.
+-- Idempotent: returns only the records this call ended, so each reservation is released exactly once.
+WITH ended AS (
+    UPDATE vmms SET state = $2, ended_at = now()
+    WHERE id = ANY($1::uuid[]) AND ended_at IS NULL
+    RETURNING id, instance_id, sled_id, vcpus, ram_bytes, boot_number
+), freed AS (
+    UPDATE sleds s
+    SET reserved_vcpus = s.reserved_vcpus - f.vcpus, reserved_ram_bytes = s.reserved_ram_bytes - f.ram_bytes
+    FROM (SELECT sled_id, sum(vcpus) AS vcpus, sum(ram_bytes) AS ram_bytes FROM ended GROUP BY sled_id) f
+    WHERE s.id = f.sled_id
+)
+SELECT * FROM ended ORDER BY id;
 -- name: vmm_apply_report
 -- The generation fence: only a strictly newer report about a live VMM, from its own sled ($5), made on
 -- the boot it was placed on or a later one ($6), is written.
@@ -199,22 +212,28 @@ RETURNING id, instance_id, sled_id, vcpus, ram_bytes, boot_number;
 -- name: sled_lock
 SELECT state, boot_id, boot_number, inventory_seq FROM sleds WHERE id = $1 FOR UPDATE;
 
--- name: sled_apply_inventory
--- A sled makes itself known, and tells its boot, through its inventory. The inventory fence: only a
--- strictly newer (boot number, sequence) than the one held is written; returns nothing otherwise.
+-- name: sleds_lock
+-- The boots held for the sleds $1, locked in id order (those known: a new sled has no row yet).
+SELECT id, boot_number FROM sleds WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE;
+
+-- name: sleds_apply_inventories
+-- Sleds make themselves known, and tell their boots, through their inventories (one per sled, $1
+-- sorted). The inventory fence: only a strictly newer (boot number, sequence) than the one held is
+-- written; returns the sleds written, with the boot number now held.
 INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vcpus, ram_bytes, last_seen_at)
-VALUES ($1, $2, $3, $4, $5, $6, now())
+SELECT *, now() FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[], $5::int[], $6::bigint[])
+ORDER BY 1
 ON CONFLICT (id) DO UPDATE
 SET boot_id = EXCLUDED.boot_id, boot_number = EXCLUDED.boot_number, inventory_seq = EXCLUDED.inventory_seq,
     vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, last_seen_at = now()
 WHERE (coalesce(sleds.boot_number, 0), coalesce(sleds.inventory_seq, -1))
       < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
-RETURNING boot_number;
-
--- name: sled_view
+RETURNING id, boot_id, boot_number;
+-- name: sleds_view
+-- The sleds $1, in id order.
 SELECT s.id, s.state, s.boot_id, s.boot_number, s.vcpus, s.ram_bytes, s.reserved_vcpus, s.reserved_ram_bytes,
        s.last_seen_at, (SELECT count(*) FROM vmms v WHERE v.sled_id = s.id AND v.ended_at IS NULL) AS vmms
-FROM sleds s WHERE s.id = $1;
+FROM sleds s WHERE s.id = ANY($1::text[]) ORDER BY s.id;
 
 -- name: sled_page
 -- A page of sleds after id $1, $2 at most (and one more, to tell whether another page follows).
@@ -232,16 +251,16 @@ ON CONFLICT DO NOTHING;
 -- name: outcome_get
 SELECT outcome, reason FROM charge_outcomes WHERE instance_id = $1 AND generation = $2;
 
--- name: instance_vmm_ended
--- The instance's active VMM ended: the instance lets go of it (and of a migration target), and is
--- stopped (or failed).
-UPDATE instances
-SET state = $2, active_vmm_id = NULL, target_vmm_id = NULL, generation = generation + 1, provisioned_at = NULL,
-    last_error = coalesce($3, last_error), updated_at = now(),
-    failed_at = CASE WHEN $2 = 'failed' THEN now() ELSE failed_at END
-WHERE id = $1
-RETURNING generation;
-
+-- name: instances_vmm_ended
+-- The instances' active VMMs ended: each lets go of it (and of a migration target), and is stopped or
+-- failed ($2, with the reason $3 for a failure). Returns each one's new generation.
+UPDATE instances i
+SET state = u.state, active_vmm_id = NULL, target_vmm_id = NULL, generation = i.generation + 1,
+    provisioned_at = NULL, last_error = coalesce(u.reason, i.last_error), updated_at = now(),
+    failed_at = CASE WHEN u.state = 'failed' THEN now() ELSE i.failed_at END
+FROM unnest($1::uuid[], $2::text[], $3::text[]) AS u (id, state, reason)
+WHERE i.id = u.id
+RETURNING i.id, i.generation;
 -- name: instance_set_intent
 UPDATE instances SET intended_state = $2 WHERE id = $1;
 
@@ -311,12 +330,12 @@ RETURNING generation;
 -- name: instance_vmms
 SELECT active_vmm_id, target_vmm_id FROM instances WHERE id = $1;
 
--- name: vmm_lock
--- An order about a VMM locks its record first, then its instance: the order every report takes too.
+-- name: vmms_lock
+-- An order about VMMs locks their records first (in id order), then their instances: the order every
+-- report takes too. $2: seconds after its end that a VMM counts as long ended.
 SELECT id, instance_id, sled_id, boot_number, state, generation, ended_at, vcpus, ram_bytes,
        ended_at < now() - make_interval(secs => $2) AS ended_long_ago
-FROM vmms WHERE id = $1 FOR UPDATE;
-
+FROM vmms WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE;
 -- name: sled_seen
 -- What instance-manager itself knows of a sled: its latest boot, and whether it answers ($2 seconds).
 SELECT state, boot_number, last_seen_at > now() - make_interval(secs => $2) AS answering
@@ -330,15 +349,16 @@ SELECT updated_at < now() - make_interval(secs => $2) FROM instances WHERE id = 
 -- Every instance that names the VMM as active or as its migration target, locked.
 SELECT id FROM instances WHERE active_vmm_id = $1 OR target_vmm_id = $1 ORDER BY id FOR UPDATE;
 
--- name: failure_record
--- The evidence of a failure the control plane made (the checker holds it against the sleds' history).
+-- name: failures_record
+-- The evidence of failures the control plane made (the checker holds it against the sleds' history).
 INSERT INTO failures (instance_id, vmm_id, sled_id, kind, reason, vmm_boot_number, proof_boot_number)
-VALUES ($1, $2, $3, $4, $5, $6, $7);
+SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[]);
 
--- name: charge_pending
--- Before a delta is sent (a resend of one already answered adds nothing).
+-- name: charges_pending
+-- Before deltas (instances $1 at generations $2) are sent: a resend of one already answered adds nothing.
 INSERT INTO pending_charges (instance_id, generation)
-SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM charge_outcomes WHERE instance_id = $1 AND generation = $2)
+SELECT u.id, u.generation FROM unnest($1::uuid[], $2::bigint[]) AS u (id, generation)
+WHERE NOT EXISTS (SELECT 1 FROM charge_outcomes o WHERE o.instance_id = u.id AND o.generation = u.generation)
 ON CONFLICT DO NOTHING;
 
 -- name: charge_answered

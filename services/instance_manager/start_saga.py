@@ -181,7 +181,7 @@ async def ensure_on_sled(ctx: Context, migrate_from: MigrationSource | None = No
         migrate_from=migrate_from,
     )
     async with ctx.app.pool.acquire() as conn, conn.transaction():
-        vmm = await conn.fetchrow(Q["vmm_lock"], vmm_id, 0)
+        vmm = await conn.fetchrow(Q["vmms_lock"], [vmm_id], 0)
         if vmm is None or vmm["ended_at"] is not None:
             if vmm is not None and vmm["generation"] > 0:
                 return  # its sled had it, and reported on it: what this step asked for was done

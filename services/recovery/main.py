@@ -4,6 +4,7 @@ comes back with a new boot id."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -37,21 +38,32 @@ async def main(settings: Settings) -> None:
         if i.state == "failed":
             reconciler.wake.set()
 
-    async def on_inventory(env: Envelope, inv: SledInventory, msg: Msg) -> None:
-        """Fenced by (boot number, sequence): an inventory from before a reboot, redelivered after it,
+    async def on_inventories(batch: list[bus.Delivery]) -> None:
+        """A batch of inventories, in one transaction of two statements; of one sled's, the newest counts.
+        Fenced by (boot number, sequence): an inventory from before a reboot, redelivered after it,
         changes nothing. A reboot is known from a later boot number, and reconciled at once."""
-        vmms = [v.model_dump(mode="json") for v in inv.vmms]
+        newest: dict[str, SledInventory] = {}
+        for d in batch:
+            inv: SledInventory = d.body
+            held = newest.get(inv.sled_id)
+            if held is None or (held.boot_number, held.seq) < (inv.boot_number, inv.seq):
+                newest[inv.sled_id] = inv
+        invs = [newest[k] for k in sorted(newest)]
         async with pool.acquire() as conn, conn.transaction():
-            before = await conn.fetchval(Q["sled_boot"], inv.sled_id)
-            applied = await conn.fetchval(
-                Q["sled_apply_inventory"], inv.sled_id, inv.boot_id, inv.boot_number, inv.seq, vmms
+            before = {r["id"]: r["boot_number"] for r in await conn.fetch(Q["sleds_lock"], sorted(newest))}
+            applied = await conn.fetch(
+                Q["sleds_apply_inventories"],
+                [i.sled_id for i in invs],
+                [i.boot_id for i in invs],
+                [i.boot_number for i in invs],
+                [i.seq for i in invs],
+                [json.dumps([v.model_dump(mode="json") for v in i.vmms]) for i in invs],
             )
-        if applied is None:
-            telemetry.count("inventories.stale")
-            return
-        telemetry.count("inventories.applied")
-        if before is not None and before < inv.boot_number:
-            log.info("sled %s came back on boot %d: reconciling now", inv.sled_id, inv.boot_number)
+        telemetry.count("inventories.applied", len(applied))
+        telemetry.count("inventories.stale", len(batch) - len(applied))
+        rebooted = [r["id"] for r in applied if r["id"] in before and before[r["id"]] < r["boot_number"]]
+        if rebooted:
+            log.info("sleds came back on a new boot: %s: reconciling now", ", ".join(rebooted[:10]))
             reconciler.wake.set()
 
     async def on_sled(env: Envelope, e: SledChanged, msg: Msg) -> None:
@@ -77,10 +89,10 @@ async def main(settings: Settings) -> None:
             filter_subject=subjects.event("*", "instance", "changed", version=2), handler=on_instance,
             expect=InstanceChangedV2,
         ).run(),
-        bus.Consumer(
+        bus.BatchConsumer(
             js, **{**common, "verify": subjects.sled_claim_error}, stream=subjects.SLED_REPORT_STREAM,
             durable="recovery-inventory", filter_subject=subjects.sled_report("*", "inventory"),
-            handler=on_inventory, expect=SledInventory,
+            batch_handler=on_inventories, expect=SledInventory,
         ).run(),
         bus.Consumer(
             js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-sleds",

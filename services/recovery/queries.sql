@@ -16,18 +16,23 @@ SET state = EXCLUDED.state, generation = EXCLUDED.generation, auto_restart = EXC
     updated_at = now()
 WHERE instances.generation < EXCLUDED.generation;
 
--- name: sled_boot
-SELECT boot_number FROM sleds WHERE id = $1;
+-- name: sleds_lock
+-- The boots held for the sleds $1, locked in id order (those known: a new sled has no row yet).
+SELECT id, boot_number FROM sleds WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE;
 
--- name: sled_apply_inventory
--- The inventory fence: only a strictly newer (boot number $3, sequence $4) is written; nothing is
--- returned for an older one (a redelivery from before a reboot), which changes nothing.
-INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vmms) VALUES ($1, $2, $3, $4, $5)
+-- name: sleds_apply_inventories
+-- The inventory fence, for one inventory per sled ($1 sorted): only a strictly newer (boot number,
+-- sequence) is written; an older one (a redelivery from before a reboot) changes nothing. $5: each
+-- sled's VMMs, as JSON text. Returns the sleds written, with the boot now held.
+INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vmms)
+SELECT u.id, u.boot_id, u.boot_number, u.seq, u.vmms::jsonb
+FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[], $5::text[]) AS u (id, boot_id, boot_number, seq, vmms)
+ORDER BY 1
 ON CONFLICT (id) DO UPDATE
 SET boot_id = EXCLUDED.boot_id, boot_number = EXCLUDED.boot_number, inventory_seq = EXCLUDED.inventory_seq,
     vmms = EXCLUDED.vmms, last_inventory_at = now()
 WHERE (sleds.boot_number, sleds.inventory_seq) < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
-RETURNING boot_number;
+RETURNING id, boot_number;
 
 -- name: sled_state
 -- A sled event (instance-manager's view) sets the sled's state; it never moves its boot backwards, and

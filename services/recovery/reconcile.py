@@ -35,13 +35,34 @@ from nats.aio.client import Client as NATS
 
 from shared import bus, db, metrics, subjects, telemetry
 from shared.config import settings, sled_unknown_after, transition_timeout, zombie_grace
-from shared.messages import InstanceRestart, InstanceSettle, Model, VmmLost, VmmStuck, VmmZombie
+from shared.messages import (
+    InstanceRestart,
+    InstanceSettle,
+    LostVmm,
+    Model,
+    VmmLost,
+    VmmLostV2,
+    VmmStuck,
+    VmmZombie,
+)
+from shared.messages.orders import LOST_BATCH
 
 log = logging.getLogger(__name__)
 SOURCE = "recovery"
 Q = db.queries(Path(__file__).parent / "queries.sql")
 PASS_LOCK = "recovery-pass"
 CONCURRENCY = 16
+
+
+def _one_lost(order: VmmLostV2, v: LostVmm) -> VmmLost:
+    return VmmLost(
+        instance_id=v.instance_id,
+        generation=v.generation,
+        vmm_id=v.vmm_id,
+        sled_id=order.sled_id,
+        vmm_boot=v.vmm_boot,
+        sled_boot=order.sled_boot,
+    )
 
 
 @dataclass
@@ -93,24 +114,48 @@ class Reconciler:
     # --- reconciler 1 ---
 
     async def lost_vmms(self) -> int:
+        """One order per sled and boot (up to LOST_BATCH VMMs each), so that a sled's reboot is repaired in
+        one transaction however many VMMs it held."""
         rows = await self.pool.fetch(Q["vmms_on_old_boots"])
-        subject = subjects.command(None, "vmm", "lost")
-        await self._ask_all(
-            (
-                subject,
-                VmmLost(
+        by_sled: dict[tuple[str, int], list[LostVmm]] = {}
+        for r in rows:
+            by_sled.setdefault((r["sled_id"], r["sled_boot"]), []).append(
+                LostVmm(
                     instance_id=r["id"],
                     generation=r["generation"],
                     vmm_id=r["vmm_id"],
-                    sled_id=r["sled_id"],
                     vmm_boot=r["vmm_boot"],
-                    sled_boot=r["sled_boot"],
-                ),
-                "vmm_lost",
+                )
             )
-            for r in rows
+        sem = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(order: VmmLostV2) -> None:
+            async with sem:
+                await self._lost(order)
+
+        await asyncio.gather(
+            *(
+                one(VmmLostV2(sled_id=sled, sled_boot=boot, vmms=vmms[i : i + LOST_BATCH]))
+                for (sled, boot), vmms in by_sled.items()
+                for i in range(0, len(vmms), LOST_BATCH)
+            )
         )
         return len(rows)
+
+    async def _lost(self, order: VmmLostV2) -> None:
+        subject = subjects.command(None, "vmm", "lost")
+        try:
+            reply = await bus.request(self.nc, subject, order, source=SOURCE, timeout=10)
+        except bus.CommandError as e:
+            if e.code == "unsupported_version":  # an instance-manager of a release before v2, mid-upgrade
+                await self._ask_all((subject, _one_lost(order, v), "vmm_lost") for v in order.vmms)
+                return
+            telemetry.count("reconcile.vmm_lost_errors")
+            log.warning("lost VMMs on %s: %s", order.sled_id, e.message)
+            return
+        stale = [r for r in reply["results"].values() if r.startswith("stale")]
+        telemetry.count("reconcile.vmm_lost", len(order.vmms) - len(stale))
+        telemetry.count("reconcile.vmm_lost_stale", len(stale))
 
     async def stuck_instances(self) -> int:
         rows = await self.pool.fetch(Q["stuck"], transition_timeout(), sled_unknown_after())

@@ -105,7 +105,9 @@ from shared.messages.instances import (
 from shared.messages.orders import (
     InstanceRestart,
     InstanceSettle,
+    LostVmm,
     VmmLost,
+    VmmLostV2,
     VmmStuck,
     VmmZombie,
 )
@@ -219,6 +221,7 @@ __all__ = [
     "InstanceView",
     "InstanceViewV2",
     "InventoryVmm",
+    "LostVmm",
     "MigrationSource",
     "Model",
     "Name",
@@ -285,6 +288,7 @@ __all__ = [
     "VmmDestroy",
     "VmmEnsure",
     "VmmLost",
+    "VmmLostV2",
     "VmmMigrate",
     "VmmReport",
     "VmmState",

@@ -222,6 +222,12 @@ def decode(raw: bytes, expect: type[Model] | tuple[type[Model], ...] | None = No
     if expect is not None:
         allowed = expect if isinstance(expect, tuple) else (expect,)
         if model not in allowed:
+            served = sorted(_SCHEMA_OF[m][1] for m in allowed if _SCHEMA_OF[m][0] == env.schema_)
+            if served:  # the schema, at a version this reader does not take
+                raise BadMessage(
+                    "unsupported_version",
+                    f"schema {env.schema_} version {env.version} is not supported here (supported: {served})",
+                )
             names = ", ".join(_SCHEMA_OF[m][0] for m in allowed)
             raise BadMessage("wrong_schema", f"expected {names}, got {env.schema_}")
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from shared.messages.base import BootNumber, Generation, Model, Name, message
 
@@ -34,6 +34,49 @@ class VmmLost(Model):
         if self.sled_boot <= self.vmm_boot:
             raise ValueError("sled_boot must be later than vmm_boot: only a later boot proves a VMM lost")
         return self
+
+
+LOST_BATCH = 1000
+"""The most VMMs one `rp.cmd.vmm.lost` v2 names (about 160 KB of JSON: far below the broker's limit)."""
+
+
+class LostVmm(Model):
+    """One VMM of a `rp.cmd.vmm.lost` v2: what recovery saw of it."""
+
+    instance_id: uuid.UUID
+    generation: Generation
+    vmm_id: uuid.UUID
+    vmm_boot: BootNumber
+
+
+@message("rp.cmd.vmm.lost", 2)
+class VmmLostV2(Model):
+    """Sled `sled_id` has come back on boot `sled_boot`, and these VMMs were placed on earlier boots of it:
+    the reboot took them. One order for up to LOST_BATCH of them (v1 names one), so that a sled's reboot
+    is repaired in one transaction; each VMM is applied, or refused as stale, on its own, under the same
+    conditions as v1."""
+
+    sled_id: Name
+    sled_boot: BootNumber
+    vmms: list[LostVmm] = Field(min_length=1, max_length=LOST_BATCH)
+
+    @model_validator(mode="after")
+    def _later_boot(self) -> VmmLostV2:
+        if any(self.sled_boot <= v.vmm_boot for v in self.vmms):
+            raise ValueError(
+                "sled_boot must be later than every vmm_boot: only a later boot proves a VMM lost"
+            )
+        if len({v.vmm_id for v in self.vmms}) != len(self.vmms):
+            raise ValueError("a VMM is named twice")
+        return self
+
+    @classmethod
+    def of(cls, v1: VmmLost) -> VmmLostV2:
+        """A v1 order, as the v2 order of one VMM."""
+        vmm = LostVmm(
+            instance_id=v1.instance_id, generation=v1.generation, vmm_id=v1.vmm_id, vmm_boot=v1.vmm_boot
+        )
+        return cls(sled_id=v1.sled_id, sled_boot=v1.sled_boot, vmms=[vmm])
 
 
 @message("rp.cmd.vmm.stuck")
