@@ -100,7 +100,8 @@ def identities() -> Iterator[Path]:
     from rackctl.context import Context, write
 
     folder = Path(tempfile.mkdtemp(prefix="rackplane-identities-"))
-    store = Store.init(folder / "identities", standard(sleds=64))
+    sleds = max(64, int(os.environ.get("BENCH_SLEDS") or 0))  # enough for the scale benchmark's rack
+    store = Store.init(folder / "identities", standard(sleds=sleds))
     test = Context(url="nats://127.0.0.1:4222", nkey=str(store.seed_file("test")), identity="test")
     saved = {k: os.environ.get(k) for k in ("RACKPLANE_IDENTITIES", "RACKCTL_CONTEXT")}
     os.environ["RACKPLANE_IDENTITIES"] = str(store.dir)

@@ -1,0 +1,252 @@
+"""Benchmark: a rack-wide power loss. Every sled of a rack of BENCH_SLEDS reboots at once under
+BENCH_INSTANCES best_effort instances. Measured from the reboots: until the API stops calling any lost
+instance running, and until all run again; each beside the time to start the same number fresh, in the
+same run (the recovery benchmark's form, at rack scale). Also measured: the reconcile pass at steady state
+(recovery's own histogram), and the memory of every process.
+
+    make bench        (or: .venv/bin/pytest -m bench -s tests/bench/test_scale_bench.py)
+Environment: BENCH_SLEDS (20), BENCH_INSTANCES (300), BENCH_PLOT (where the plot goes:
+docs/images/power-loss.png). Progress is printed every few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from deploy.stack import ROOT, Stack
+from rackctl.client import Client
+from shared.messages import AutoRestart, Quota
+from tests.conftest import GiB, private_rack
+
+pytestmark = pytest.mark.bench
+
+SLEDS = int(os.environ.get("BENCH_SLEDS", "20"))
+INSTANCES = int(os.environ.get("BENCH_INSTANCES", "300"))
+PLOT = Path(os.environ.get("BENCH_PLOT", str(ROOT / "docs" / "images" / "power-loss.png")))
+CALLERS = 32
+PROGRESS_EVERY = 5.0
+
+RUNNING = """
+SELECT count(*) FILTER (WHERE i.state = 'running') AS running,
+       count(*) FILTER (WHERE i.state = 'running' AND v.boot_id = ANY($1::uuid[])) AS lost
+FROM instance_manager.instances i LEFT JOIN instance_manager.vmms v ON v.id = i.active_vmm_id
+WHERE i.state <> 'destroyed'
+"""
+"""(instances running, of which on a VMM of a boot that has ended), straight from instance-manager's table:
+what the API says, without N `show`s a poll (which would measure the poller)."""
+
+
+async def counts(db: asyncpg.Pool, ended_boots: list[str]) -> tuple[int, int]:
+    row = await db.fetchrow(RUNNING, ended_boots)
+    return row["running"], row["lost"]
+
+
+async def in_parallel(n: int, one: Callable[[int], Awaitable[None]]) -> None:
+    """`one(i)` for i in range(n), by CALLERS workers, with progress."""
+    queue = iter(range(n))
+    done = 0
+
+    async def worker() -> None:
+        nonlocal done
+        for i in queue:
+            await one(i)
+            done += 1
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY)
+            print(f"    {done}/{n}", flush=True)
+
+    ticker = asyncio.create_task(progress())
+    try:
+        await asyncio.gather(*(worker() for _ in range(CALLERS)))
+    finally:
+        ticker.cancel()
+
+
+Samples = list[tuple[float, int, int]]
+"""(seconds since the start of a phase, instances running as the API says, of which lost in truth)."""
+
+
+async def until(
+    db: asyncpg.Pool,
+    ended: list[str],
+    done: Callable[[int, int], bool],
+    what: str,
+    samples: Samples,
+    t0: float,
+) -> float:
+    """Seconds since t0 until done(running, lost) holds; every poll is kept in `samples` for the plot."""
+    last = 0.0
+    while True:
+        running, lost = await counts(db, ended)
+        now = time.monotonic()
+        samples.append((now - t0, running, lost))
+        if done(running, lost):
+            return now - t0
+        if now - last >= PROGRESS_EVERY:
+            print(
+                f"    {what}: {now - t0:6.1f}s  running {running}/{INSTANCES}, of which lost {lost}",
+                flush=True,
+            )
+            last = now
+        if now - t0 > 3600:
+            raise TimeoutError(f"{what}: not reached after an hour (running {running}, lost {lost})")
+        await asyncio.sleep(0.1)
+
+
+def reconcile_pass_seconds(stack: Stack) -> tuple[float, int]:
+    """Recovery's reconcile passes so far: (total seconds, count), from its /metrics."""
+    text = urllib.request.urlopen(stack.http_url("recovery"), timeout=10).read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    return total("rackplane_reconcile_pass_duration_seconds_sum"), int(
+        total("rackplane_reconcile_pass_duration_seconds_count")
+    )
+
+
+def pss_mib(pid: int) -> float:
+    """The process's proportional set size: its own memory, plus its share of what it shares (PostgreSQL's
+    shared buffers are counted once over all its processes, not once per backend as RSS would)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def memory(stack: Stack) -> dict[str, float]:
+    """Memory of each process (PSS), MiB (PostgreSQL: the postmaster and all its backends)."""
+    out = {name: pss_mib(svc.proc.pid) for name, svc in stack.services.items() if svc.proc}
+    if stack.nats and stack.nats.proc:
+        out["nats-server"] = pss_mib(stack.nats.proc.pid)
+    if stack.postgres:
+        master = int((stack.postgres.data / "postmaster.pid").read_text().split()[0])
+        pids = [master] + [
+            int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == master
+        ]
+        out["postgres"] = sum(pss_mib(pid) for pid in pids)
+    return out
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def plot(samples: Samples, truthful: float, back: float, fresh: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s[0] for s in samples]
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    ax.plot(t, [s[1] for s in samples], label="running, as the API says")
+    ax.plot(t, [s[1] - s[2] for s in samples], label="running, in truth (on a VMM of the new boot)")
+    ax.axvline(truthful, color="grey", linestyle=":", label=f"API truthful ({truthful:.2f} s)")
+    ax.axvline(back, color="grey", linestyle="--", label=f"all running again ({back:.1f} s)")
+    ax.set_xlabel("seconds since every sled rebooted")
+    ax.set_ylabel("instances")
+    ax.set_title(
+        f"Rack-wide power loss: {SLEDS} sleds, {INSTANCES} best_effort instances "
+        f"(fresh starts: {fresh:.1f} s)"
+    )
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT)
+    plt.close(fig)
+
+
+async def reboot_all(client: Client) -> None:
+    sem = asyncio.Semaphore(CALLERS)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await client.sim_sled("reboot", f"sled-{i}")
+
+    await asyncio.gather(*(one(i) for i in range(SLEDS)))
+
+
+async def test_power_loss_of_the_whole_rack() -> None:
+    per_sled = -(-INSTANCES // SLEDS) + 4
+    env = {
+        "RACKPLANE_SLEDS": str(SLEDS),
+        "RACKPLANE_SLED_SHAPES": f"{per_sled}:{per_sled}",
+        "RACKPLANE_VMM_START_DELAY": "0",
+        "RACKPLANE_LOG": "WARNING",
+        "RACKPLANE_TRACES": "none",
+    }
+    print(f"\nscale benchmark: {SLEDS} sleds, {INSTANCES} instances", flush=True)
+    async with private_rack("scale", timeout=600, **env) as (stack, client, db):
+        quota = Quota(vcpus=10**7, ram_bytes=10**16, disk_bytes=10**17)
+        await client.silo_create("bench", quota=quota)
+        await client.project_create("bench", "p")
+
+        print("  creating", flush=True)
+
+        async def create(i: int) -> None:
+            await client.instance_create(
+                "bench", "p", f"vm-{i}", vcpus=1, ram_bytes=GiB, disk_bytes=GiB,
+                auto_restart=AutoRestart.best_effort,
+            )  # fmt: skip
+
+        await in_parallel(INSTANCES, create)
+
+        print("  starting (the baseline)", flush=True)
+        t0 = time.monotonic()
+
+        async def start(i: int) -> None:
+            await client.instance("start", "bench", "p", f"vm-{i}")
+
+        await in_parallel(INSTANCES, start)
+        fresh = await until(db, [], lambda running, lost: running == INSTANCES, "fresh starts", [], t0)
+        print(f"  {INSTANCES} fresh starts: {fresh:.1f}s ({INSTANCES / fresh:.0f}/s)", flush=True)
+
+        sum0, n0 = reconcile_pass_seconds(stack)
+        await asyncio.sleep(12)  # a few passes at steady state
+        sum1, n1 = reconcile_pass_seconds(stack)
+        pass_s = (sum1 - sum0) / max(n1 - n0, 1)
+        mem = memory(stack)
+
+        ended = [r["boot_id"] for r in await db.fetch("SELECT boot_id::text FROM instance_manager.sleds")]
+        print("  power loss: every sled reboots", flush=True)
+        samples: Samples = []
+        t0 = time.monotonic()
+        await reboot_all(client)
+        truthful = await until(db, ended, lambda running, lost: lost == 0, "API truthful", samples, t0)
+        back = await until(
+            db, ended, lambda running, lost: running == INSTANCES and lost == 0, "all back", samples, t0
+        )
+        samples += [(back + 1.0, *(await counts(db, ended)))]
+        plot(samples, truthful, back, fresh)
+
+    rows = [
+        (
+            f"baseline: start {INSTANCES} fresh instances",
+            f"{fresh:8.2f}s",
+            f"{INSTANCES / fresh:.0f} starts/s",
+        ),
+        ("power loss: API stops calling lost ones running", f"{truthful:8.2f}s", f"{truthful / fresh:.3f}x"),
+        ("power loss: all running again", f"{back:8.2f}s", f"{back / fresh:.2f}x baseline"),
+        ("reconcile pass at steady state", f"{pass_s * 1000:7.1f}ms", f"{n1 - n0} passes"),
+    ]
+    print(f"\nRESULT sleds={SLEDS} instances={INSTANCES}")
+    for what, value, ratio in rows:
+        print(f"  {what:<50} {value}  ({ratio})")
+    print("  memory (PSS, MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(mem.items())))
+    print(f"  plot: {PLOT}")
