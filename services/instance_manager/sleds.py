@@ -24,15 +24,10 @@ async def apply_inventories(app: App, batch: list[bus.Delivery]) -> None:
     sequence): an inventory older than the one held (a redelivery from before a reboot, say) changes
     nothing, not even when the sled was last seen; of one sled's inventories in a batch, the newest
     counts. A new sled, or a later boot, is announced as an event."""
-    newest: dict[str, SledInventory] = {}
-    for d in batch:
-        inv: SledInventory = d.body
-        held = newest.get(inv.sled_id)
-        if held is None or (held.boot_number, held.seq) < (inv.boot_number, inv.seq):
-            newest[inv.sled_id] = inv
-    invs = [newest[k] for k in sorted(newest)]
+    invs = SledInventory.newest([d.body for d in batch])
     async with app.pool.acquire() as conn, conn.transaction():
-        before = {r["id"]: r["boot_number"] or 0 for r in await conn.fetch(Q["sleds_lock"], sorted(newest))}
+        held = await conn.fetch(Q["sleds_lock"], [i.sled_id for i in invs])
+        before = {r["id"]: r["boot_number"] or 0 for r in held}
         applied = await conn.fetch(
             Q["sleds_apply_inventories"],
             [i.sled_id for i in invs],

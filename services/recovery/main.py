@@ -42,15 +42,10 @@ async def main(settings: Settings) -> None:
         """A batch of inventories, in one transaction of two statements; of one sled's, the newest counts.
         Fenced by (boot number, sequence): an inventory from before a reboot, redelivered after it,
         changes nothing. A reboot is known from a later boot number, and reconciled at once."""
-        newest: dict[str, SledInventory] = {}
-        for d in batch:
-            inv: SledInventory = d.body
-            held = newest.get(inv.sled_id)
-            if held is None or (held.boot_number, held.seq) < (inv.boot_number, inv.seq):
-                newest[inv.sled_id] = inv
-        invs = [newest[k] for k in sorted(newest)]
+        invs = SledInventory.newest([d.body for d in batch])
         async with pool.acquire() as conn, conn.transaction():
-            before = {r["id"]: r["boot_number"] for r in await conn.fetch(Q["sleds_lock"], sorted(newest))}
+            held = await conn.fetch(Q["sleds_lock"], [i.sled_id for i in invs])
+            before = {r["id"]: r["boot_number"] for r in held}
             applied = await conn.fetch(
                 Q["sleds_apply_inventories"],
                 [i.sled_id for i in invs],

@@ -125,6 +125,17 @@ class SledInventory(Model):
     ram_bytes: SledRam
     vmms: list[InventoryVmm]
 
+    @staticmethod
+    def newest(invs: list[SledInventory]) -> list[SledInventory]:
+        """Of each sled's inventories, the newest by (boot number, sequence), in sled id order: a batch
+        applies one per sled, and the fence would refuse the older ones anyway."""
+        out: dict[str, SledInventory] = {}
+        for inv in invs:
+            held = out.get(inv.sled_id)
+            if held is None or (held.boot_number, held.seq) < (inv.boot_number, inv.seq):
+                out[inv.sled_id] = inv
+        return [out[k] for k in sorted(out)]
+
 
 # --- the sled view (events), and the operator's sled commands -----------------------------------------
 
