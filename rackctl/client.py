@@ -35,6 +35,7 @@ from shared.messages import (
     SiloCreate,
     SiloList,
     SimFaults,
+    SimRackReboot,
     SimSledAdd,
     SimSledFreeze,
     SimSledHeal,
@@ -242,6 +243,10 @@ class Client:
         }[verb]  # fmt: skip
         body = model(**shape) if verb in ("list", "add") else model(sled_id=sled_id)
         return await self.call(subjects.sim_control(f"sled.{verb}"), body)
+
+    async def sim_rack_reboot(self) -> Any:
+        """Reboot every simulated sled at once (a power loss of the whole rack)."""
+        return await self.call(subjects.sim_control("rack.reboot"), SimRackReboot())
 
     async def stats(self, service: str) -> Any:
         return await self.call(subjects.stats(service), StatsGet())

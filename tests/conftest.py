@@ -60,7 +60,8 @@ async def private_rack(name: str, *, timeout: float = 15.0, **env: str) -> Async
     client = await Client.connect(stack.nats_url, timeout=timeout)
     db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
     try:
-        await eventually(lambda: sleds_known(client, int(env.get("RACKPLANE_SLEDS", "8"))), timeout=20)
+        sleds = int(env.get("RACKPLANE_SLEDS", "8"))
+        await eventually(lambda: sleds_known(client, sleds), timeout=20 + sleds / 50)  # each connects
         yield stack, client, db
     finally:
         await db.close()
@@ -90,9 +91,10 @@ def pg_template() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def identities() -> Iterator[Path]:
+def identities(pytestconfig: pytest.Config) -> Iterator[Path]:
     """One set of NATS identities for the whole run (every stack's server trusts them), and a rackctl
-    context with the test identity, so that every client and `rackctl` the tests start uses it."""
+    context with the test identity, so that every client and `rackctl` the tests start uses it. A sled
+    identity for each of the scale benchmark's sleds when benchmarks run."""
     if os.environ.get("RACKPLANE_IDENTITIES"):
         yield Path(os.environ["RACKPLANE_IDENTITIES"])
         return
@@ -100,7 +102,12 @@ def identities() -> Iterator[Path]:
     from rackctl.context import Context, write
 
     folder = Path(tempfile.mkdtemp(prefix="rackplane-identities-"))
-    sleds = max(64, int(os.environ.get("BENCH_SLEDS") or 0))  # enough for the scale benchmark's rack
+    sleds = 64
+    marks = pytestconfig.getoption("markexpr") or ""
+    if "bench" in marks and "not bench" not in marks:
+        from tests.bench.test_scale_bench import SLEDS
+
+        sleds = max(sleds, SLEDS)
     store = Store.init(folder / "identities", standard(sleds=sleds))
     test = Context(url="nats://127.0.0.1:4222", nkey=str(store.seed_file("test")), identity="test")
     saved = {k: os.environ.get(k) for k in ("RACKPLANE_IDENTITIES", "RACKCTL_CONTEXT")}

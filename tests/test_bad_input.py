@@ -223,6 +223,53 @@ async def test_a_sled_cannot_report_for_another_sled(client: Client, jetstream_a
     )
 
 
+async def test_a_sled_cannot_report_on_another_sleds_vmm(
+    client: Client, project: tuple[str, str], jetstream_as: JetStreamAs
+) -> None:
+    """On its own subject, about a VMM that runs on another sled: refused alone (dead-lettered), whatever
+    else came in the same batch; the instance runs on, and its own sled's report in the batch applies."""
+    silo, proj = project
+    await client.instance_create(silo, proj, "victim", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+    await client.instance("start", silo, proj, "victim")
+    victim = await wait_state(client, silo, proj, "victim", "running")
+    liar = next(f"sled-{i}" for i in range(8) if f"sled-{i}" != victim["sled_id"])
+
+    def report(vmm_id: Any, instance_id: Any) -> bytes:
+        return raw_envelope(
+            "rp.sled.vmm.report",
+            1,
+            {
+                "sled_id": liar,
+                "boot_id": str(uuid.uuid4()),
+                "boot_number": 1,
+                "seq": 1,
+                "vmm_id": str(vmm_id),
+                "instance_id": str(instance_id),
+                "state": "failed",
+                "generation": 10**6,
+            },
+        )
+
+    forged = report(victim["active_vmm_id"], victim["id"])
+    js = await jetstream_as(liar)
+    for _ in range(3):  # its neighbours in the batch: well formed, about VMMs nobody knows, harmless
+        unknown = report(uuid.uuid4(), uuid.uuid4())
+        await js.publish(subjects.sled_report(liar, "vmm"), unknown, headers={MSG_ID: str(uuid.uuid4())})
+    await js.publish(subjects.sled_report(liar, "vmm"), forged, headers={MSG_ID: str(uuid.uuid4())})
+
+    async def parked() -> Any:
+        entry = await dead_letter(client, "instance-manager", "instance-manager-vmm-reports")
+        return entry if entry is not None and entry.data == forged else None
+
+    entry = await eventually(parked)
+    assert entry.headers["Rp-Dlq-Reason"] == (
+        f"forbidden: {liar} reports on VMM {victim['active_vmm_id']}, which runs on {victim['sled_id']}: "
+        "a sled speaks only for its own VMMs"
+    )
+    await client.instance("stop", silo, proj, "victim")  # its own sled's reports still apply
+    await wait_state(client, silo, proj, "victim", "stopped")
+
+
 async def test_a_sled_command_on_another_verbs_subject_is_dead_lettered(
     client: Client, jetstream_as: JetStreamAs
 ) -> None:

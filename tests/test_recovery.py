@@ -110,6 +110,29 @@ async def test_a_rebooted_sled_fails_its_instances_and_policy_brings_them_back(r
     await assert_invariants(db)
 
 
+async def test_a_power_loss_of_the_whole_rack_is_told_at_once_and_every_instance_comes_back(
+    rack: MakeRack,
+) -> None:
+    """`sim rack reboot`: every sled reboots at once. No instance stays running on a lost VMM, each fails
+    with its sled's reboot as the reason, and every best_effort one runs again, on the new boots."""
+    _, client, db = await rack(RACKPLANE_SLEDS="4")
+    silo, proj = await new_project(client)
+    names = [f"vm-{i}" for i in range(16)]
+    await start_many(client, silo, proj, names, dict.fromkeys(names, AutoRestart.best_effort))
+    assert (await client.sim_rack_reboot()) == {"rebooted": 4}
+
+    async def all_back_on_the_new_boots() -> bool:
+        now = await states(client, silo, proj)
+        return all(now[n]["state"] == "running" and now[n]["vmm_boot_number"] == 2 for n in names)
+
+    await eventually(all_back_on_the_new_boots, timeout=30)
+    for i in (await states(client, silo, proj)).values():
+        assert i["auto_restarts"] >= 1 and "rebooted" in (i["last_error"] or ""), i
+    assert {s["boot_number"] for s in await client.sim_sled("list")} == {2}
+    await usage_is(client, {"vcpus": 16, "ram_bytes": 16 * GiB, "disk_bytes": 16 * GiB}, silo)
+    await assert_invariants(db)
+
+
 async def test_a_silent_sled_is_unknown_until_expunged(rack: MakeRack) -> None:
     _, client, db = await rack(RACKPLANE_SLEDS="2", RACKPLANE_SLED_UNKNOWN_AFTER="2")
     silo, proj = await new_project(client)

@@ -18,6 +18,18 @@ from shared.messages import SimFaults, SimSledAdd, VmmState
 
 group("sim", "drive the sled simulator: reboot, freeze, partition, faults (testing only)")
 group("sim sled", "add, list, reboot, freeze, thaw, partition, heal or remove simulated sleds (testing only)")
+group("sim rack", "the whole simulated rack at once (testing only)")
+
+
+@command(
+    "sim rack reboot",
+    "reboot every simulated sled at once: a power loss of the whole rack",
+    json_flag,
+    examples=("rackctl sim rack reboot",),
+)
+async def sim_rack_reboot(ctx: Ctx) -> None:
+    data = await (await ctx.client()).sim_rack_reboot()
+    ctx.emit(data, lambda d: print(f"rebooted {d['rebooted']} sleds: each comes back on its next boot"))
 
 
 @command(

@@ -188,24 +188,42 @@ class App:
         finally:
             self._waiters.pop(key, None)
 
-    async def record_outcome(self, outcome: ProvisionOutcome) -> None:
-        """Record the outcome of a charge this service sent and has no answer for yet (pending_charges).
-        Anything else changes nothing: a repeat of a recorded outcome is ignored, and an unsolicited one
-        (a charge never sent, or a forgery) is counted and dropped."""
-        key = (outcome.instance_id, outcome.generation)
+    async def record_outcomes(self, batch: list[bus.Delivery]) -> None:
+        """Record the outcomes of charges this service sent and has no answer for yet (pending_charges),
+        a batch in one transaction of three statements. Anything else changes nothing: a repeat of a
+        recorded outcome is ignored, and an unsolicited one (a charge never sent, or a forgery) is
+        counted and dropped."""
+        outcomes: dict[tuple[uuid.UUID, int], ProvisionOutcome] = {
+            (d.body.instance_id, d.body.generation): d.body for d in batch
+        }
+        keys = list(outcomes)
+        ids, gens = [k[0] for k in keys], [k[1] for k in keys]
         async with self.pool.acquire() as conn, conn.transaction():
-            if await conn.fetchval(Q["charge_answered"], *key):
-                await conn.execute(Q["outcome_insert"], *key, outcome.outcome.value, outcome.reason)
-            elif await conn.fetchrow(Q["outcome_get"], *key) is None:
+            answered = {
+                (r["instance_id"], r["generation"])
+                for r in await conn.fetch(Q["charges_answered"], ids, gens)
+            }
+            new = [outcomes[k] for k in keys if k in answered]
+            await conn.execute(
+                Q["outcomes_insert"],
+                [o.instance_id for o in new],
+                [o.generation for o in new],
+                [o.outcome.value for o in new],
+                [o.reason for o in new],
+            )
+            known = {
+                (r["instance_id"], r["generation"]) for r in await conn.fetch(Q["outcomes_known"], ids, gens)
+            }
+        for key in keys:
+            if key not in known:
                 telemetry.count("outcomes.unsolicited")
                 log.warning(
                     "dropped an outcome (%s) for a charge not pending: instance %s generation %d",
-                    outcome.outcome.value,
+                    outcomes[key].outcome.value,
                     *key,
                 )
-                return
-        if (ev := self._waiters.get((outcome.instance_id, outcome.generation))) is not None:
-            ev.set()
+            elif (ev := self._waiters.get(key)) is not None:
+                ev.set()
 
 
 def _delta(

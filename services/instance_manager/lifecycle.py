@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import asyncpg
 
@@ -63,63 +64,119 @@ async def delete(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> 
     return await app.instance_changed(conn, instance_id)
 
 
-async def apply_vmm_report(app: App, report: VmmReport) -> str:
-    """Write a sled's report about a VMM, fenced by the VMM's generation; move the instance accordingly.
+async def apply_vmm_reports(app: App, batch: list[bus.Delivery]) -> None:
+    """Write a batch of sleds' VMM reports, fenced by each VMM's generation, and move the instances
+    accordingly: one transaction, a fixed number of statements for the common cases (a VMM running,
+    stopping or gone), so that a rack's reports keep up with its sleds.
 
-    Returns what happened, for counters and tests: applied, stale (not newer, or about an ended VMM),
-    unknown (no such VMM), or detached (about a VMM that is no longer the instance's active one).
+    Of one sled's reports about a VMM, the newest counts. A report not written is stale (not newer, or
+    about an ended VMM) or unknown (no such VMM); one about another sled's VMM is refused as forbidden.
+    An instance named by more than one written report, or in a migration, is moved report by report.
     """
-    terminal = report.state.terminal
+    newest: dict[tuple[uuid.UUID, str], bus.Delivery] = {}
+    for d in batch:
+        key = (d.body.vmm_id, d.body.sled_id)
+        if key not in newest or newest[key].body.generation < d.body.generation:
+            newest[key] = d
+    reports: list[VmmReport] = [d.body for d in newest.values()]
+    telemetry.count("reports.stale", len(batch) - len(reports))
     async with app.pool.acquire() as conn, conn.transaction():
-        vmm = await conn.fetchrow(
-            Q["vmm_apply_report"],
-            report.vmm_id,
-            report.state.value,
-            report.generation,
-            terminal,
-            report.sled_id,
-            report.boot_number,
+        written = await conn.fetch(
+            Q["vmms_apply_reports"],
+            [r.vmm_id for r in reports],
+            [r.state.value for r in reports],
+            [r.generation for r in reports],
+            [r.state.terminal for r in reports],
+            [r.sled_id for r in reports],
+            [r.boot_number for r in reports],
         )
-        if vmm is None:
-            placed = await conn.fetchrow(Q["vmm_placed"], report.vmm_id)
-            if placed is not None and placed["sled_id"] != report.sled_id:
-                telemetry.count("reports.wrong_sled")
-                raise bus.Reject(
-                    f"forbidden: {report.sled_id} reports on VMM {report.vmm_id}, which runs on "
-                    f"{placed['sled_id']}: a sled speaks only for its own VMMs"
-                )
-            result = "unknown" if placed is None else "stale"
-            telemetry.count(f"reports.{result}")
-            return result
-        if terminal:  # this report ended the VMM record: its sled reservation goes with it, exactly once
-            await conn.execute(Q["unreserve"], vmm["sled_id"], vmm["vcpus"], vmm["ram_bytes"])
-        inst = await conn.fetchrow(Q["instance_lock"], vmm["instance_id"])
+        by_vmm = {r.vmm_id: r for r in reports if r.vmm_id in {w["id"] for w in written}}
+        await _unwritten(conn, [d for d in newest.values() if d.body.vmm_id not in by_vmm])
+        ended = [w for w in written if w["ended"]]  # their sled reservations go with them, exactly once
+        await conn.execute(
+            Q["sleds_unreserve"],
+            [w["sled_id"] for w in ended],
+            [w["vcpus"] for w in ended],
+            [w["ram_bytes"] for w in ended],
+        )
+        insts = {
+            r["id"]: r for r in await conn.fetch(Q["instances_lock"], [w["instance_id"] for w in written])
+        }
+        named = Counter(w["instance_id"] for w in written)
+        moves = _Moves()
+        for vmm in sorted(written, key=lambda w: w["id"]):
+            inst = insts[vmm["instance_id"]]
+            if named[inst["id"]] > 1 or inst["target_vmm_id"] is not None:
+                alone = _Moves()  # after the instance's earlier reports in this batch: read it afresh
+                alone.add(await conn.fetchrow(Q["instance_lock"], inst["id"]), vmm, by_vmm[vmm["id"]])
+                await alone.apply(app, conn)
+            else:
+                moves.add(inst, vmm, by_vmm[vmm["id"]])
+        await moves.apply(app, conn)
+    telemetry.count("reports.applied", len(written))
+    if written:
+        app.relay.kick()
+
+
+async def _unwritten(conn: asyncpg.Connection, unwritten: list[bus.Delivery]) -> None:
+    """Reports the fence turned down: forbidden if about another sled's VMM, else stale or unknown."""
+    if not unwritten:
+        return
+    placed = {
+        r["id"]: r["sled_id"] for r in await conn.fetch(Q["vmms_placed"], [d.body.vmm_id for d in unwritten])
+    }
+    for d in unwritten:
+        report: VmmReport = d.body
+        sled_id = placed.get(report.vmm_id)
+        if sled_id is not None and sled_id != report.sled_id:
+            telemetry.count("reports.wrong_sled")
+            d.refused = bus.Reject(
+                f"forbidden: {report.sled_id} reports on VMM {report.vmm_id}, which runs on "
+                f"{sled_id}: a sled speaks only for its own VMMs"
+            )
+        else:
+            telemetry.count("reports.unknown" if sled_id is None else "reports.stale")
+
+
+@dataclass
+class _Moves:
+    """What a batch of written reports does to their instances, gathered, then done in a few statements:
+    instances that start running or stopping, and instances whose active VMM ended. A migration's end is
+    done on its own (rare, and it touches two VMMs)."""
+
+    states: dict[uuid.UUID, str] = field(default_factory=dict)
+    ended: list[Ended] = field(default_factory=list)
+    migrations: list[tuple[asyncpg.Record, bool, str | None]] = field(default_factory=list)
+
+    def add(self, inst: asyncpg.Record, vmm: asyncpg.Record, report: VmmReport) -> None:
+        terminal = report.state.terminal
         if inst["target_vmm_id"] == report.vmm_id:
             if report.state is VmmState.running:
-                await _migration_end(app, conn, inst, took_over=True)
+                self.migrations.append((inst, True, None))
             elif terminal:
                 reason = f"migration target {report.vmm_id} {report.state.value} on {report.sled_id}"
-                await _migration_end(app, conn, inst, took_over=False, reason=reason)
-            telemetry.count("reports.applied")
-            return "applied"
-        if inst["active_vmm_id"] != report.vmm_id:
+                self.migrations.append((inst, False, reason))
+        elif inst["active_vmm_id"] != report.vmm_id:
             telemetry.count("reports.detached")
-            return "detached"
-        if terminal and inst["target_vmm_id"] is not None and report.migrated_to == inst["target_vmm_id"]:
-            await _migration_end(app, conn, inst, took_over=True)  # the source handed over, and ended
+        elif terminal and inst["target_vmm_id"] is not None and report.migrated_to == inst["target_vmm_id"]:
+            self.migrations.append((inst, True, None))  # the source handed over, and ended
         elif report.state is VmmState.running and inst["state"] == "starting":
-            await conn.execute(Q["instance_set_state"], inst["id"], "running", None)
-            await app.instance_changed(conn, inst["id"])
+            self.states[inst["id"]] = "running"
         elif report.state is VmmState.stopping and inst["state"] == "running":
-            await conn.execute(Q["instance_set_state"], inst["id"], "stopping", None)
-            await app.instance_changed(conn, inst["id"])
+            self.states[inst["id"]] = "stopping"
         elif terminal:
             failed = report.state is not VmmState.stopped
             reason = f"VMM {report.vmm_id} {report.state.value} on {report.sled_id}"
             evidence = Evidence("vmm", vmm["boot_number"], report.boot_number) if failed else None
-            await _active_vmms_ended(app, conn, [Ended(inst, vmm, reason, evidence)])
-        telemetry.count("reports.applied")
-        return "applied"
+            self.ended.append(Ended(inst, vmm, reason, evidence))
+
+    async def apply(self, app: App, conn: asyncpg.Connection) -> None:
+        for inst, took_over, reason in self.migrations:
+            await _migration_end(app, conn, inst, took_over, reason)
+        if self.states:
+            await conn.execute(Q["instances_set_state"], list(self.states), list(self.states.values()))
+            await app.instances_changed(conn, list(self.states))
+        await _active_vmms_ended(app, conn, self.ended)
 
 
 @dataclass(frozen=True)

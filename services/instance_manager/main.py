@@ -7,8 +7,6 @@ import logging
 import time
 from typing import Any
 
-from nats.aio.msg import Msg
-
 from services.instance_manager import lifecycle, sleds
 from services.instance_manager.app import SOURCE, App
 from services.instance_manager.commands import Commands
@@ -19,7 +17,7 @@ from services.instance_manager.prune import Pruner
 from services.instance_manager.start_saga import START
 from shared import bus, subjects
 from shared.config import Settings
-from shared.messages import Envelope, ProvisionOutcome, SledInventory, VmmReport
+from shared.messages import ProvisionOutcome, SledInventory, VmmReport
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
@@ -37,24 +35,19 @@ async def build(settings: Settings) -> App:
 
 
 def consumers(app: App) -> list[bus.Consumer]:
-    """Inventories are applied in batches (sleds.apply_inventories); reports and outcomes one by one."""
-
-    async def on_report(env: Envelope, report: VmmReport, msg: Msg) -> None:
-        await lifecycle.apply_vmm_report(app, report)
-        app.relay.kick()
-
-    async def on_outcome(env: Envelope, outcome: ProvisionOutcome, msg: Msg) -> None:
-        await app.record_outcome(outcome)
+    """Each consumer applies what one fetch returned in one transaction: inventories
+    (sleds.apply_inventories), VMM reports (lifecycle.apply_vmm_reports), charge outcomes
+    (App.record_outcomes)."""
 
     common: dict[str, Any] = {"service": SOURCE}
     return [
-        bus.Consumer(
+        bus.BatchConsumer(
             app.js,
             **common,
             stream=subjects.SLED_REPORT_STREAM,
             durable="instance-manager-vmm-reports",
             filter_subject=subjects.sled_report("*", "vmm"),
-            handler=on_report,
+            batch_handler=lambda batch: lifecycle.apply_vmm_reports(app, batch),
             expect=VmmReport,
             verify=subjects.sled_claim_error,
         ),
@@ -68,13 +61,13 @@ def consumers(app: App) -> list[bus.Consumer]:
             verify=subjects.sled_claim_error,
             expect=SledInventory,
         ),
-        bus.Consumer(
+        bus.BatchConsumer(
             app.js,
             **common,
             stream=subjects.EVENTS_STREAM,
             durable="instance-manager-outcomes",
             filter_subject=subjects.event("*", "provision", "outcome"),
-            handler=on_outcome,
+            batch_handler=app.record_outcomes,
             expect=ProvisionOutcome,
         ),
     ]

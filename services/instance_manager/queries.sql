@@ -200,14 +200,48 @@ WITH ended AS (
     WHERE s.id = f.sled_id
 )
 SELECT * FROM ended ORDER BY id;
--- name: vmm_apply_report
--- The generation fence: only a strictly newer report about a live VMM, from its own sled ($5), made on
--- the boot it was placed on or a later one ($6), is written.
-UPDATE vmms SET state = $2, generation = $3,
-                ended_at = CASE WHEN $4::bool THEN now() ELSE NULL END
-WHERE id = $1 AND generation < $3 AND ended_at IS NULL
-  AND sled_id = $5 AND (boot_number IS NULL OR boot_number <= $6)
-RETURNING id, instance_id, sled_id, vcpus, ram_bytes, boot_number;
+-- name: vmms_apply_reports
+-- The generation fence, for a batch of reports (at most one per VMM and sled): only a strictly newer
+-- report about a live VMM, from its own sled, made on the boot it was placed on or a later one, is
+-- written. The VMMs are locked in id order first (the order every other path locks them in). Returns the
+-- VMMs written; a report that ended its VMM returns `ended`.
+WITH r AS (
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::bigint[], $4::bool[], $5::text[], $6::bigint[])
+        AS r (id, state, generation, terminal, sled_id, boot_number)
+), locked AS (
+    SELECT v.id FROM vmms v WHERE v.id IN (SELECT id FROM r) AND v.ended_at IS NULL ORDER BY v.id FOR UPDATE
+)
+UPDATE vmms v SET state = r.state, generation = r.generation,
+                  ended_at = CASE WHEN r.terminal THEN now() ELSE NULL END
+FROM r
+WHERE v.id = r.id AND v.id IN (SELECT id FROM locked) AND v.generation < r.generation
+  AND v.ended_at IS NULL AND v.sled_id = r.sled_id AND (v.boot_number IS NULL OR v.boot_number <= r.boot_number)
+RETURNING v.id, v.instance_id, v.sled_id, v.vcpus, v.ram_bytes, v.boot_number, r.terminal AS ended;
+
+-- name: vmms_placed
+SELECT id, sled_id FROM vmms WHERE id = ANY($1::uuid[]);
+
+-- name: sleds_unreserve
+-- Give back the room of VMMs whose records ended ($1 their sleds, one entry per VMM).
+UPDATE sleds s
+SET reserved_vcpus = s.reserved_vcpus - f.vcpus, reserved_ram_bytes = s.reserved_ram_bytes - f.ram_bytes
+FROM (
+    SELECT sled_id, sum(vcpus) AS vcpus, sum(ram_bytes) AS ram_bytes
+    FROM unnest($1::text[], $2::int[], $3::bigint[]) AS u (sled_id, vcpus, ram_bytes) GROUP BY sled_id
+) f
+WHERE s.id = f.sled_id;
+
+-- name: instances_set_state
+-- instance_set_state for many instances, each to its own state ($2); returns each one's new generation.
+UPDATE instances i
+SET state = u.state, generation = i.generation + 1, updated_at = now(),
+    restart_failures = CASE WHEN u.state = 'running' THEN 0 ELSE i.restart_failures END,
+    provisioned_at = CASE WHEN u.state = 'running' THEN now()
+                          WHEN u.state IN ('stopping', 'stopped', 'failed') THEN NULL
+                          ELSE i.provisioned_at END
+FROM unnest($1::uuid[], $2::text[]) AS u (id, state)
+WHERE i.id = u.id
+RETURNING i.id, i.generation;
 
 -- name: sled_lock
 SELECT state, boot_id, boot_number, inventory_seq FROM sleds WHERE id = $1 FOR UPDATE;
@@ -244,9 +278,16 @@ LEFT JOIN (SELECT sled_id, count(*) AS n FROM vmms WHERE ended_at IS NULL GROUP 
 WHERE $1::text IS NULL OR s.id > $1
 ORDER BY s.id LIMIT $2 + 1;
 
--- name: outcome_insert
-INSERT INTO charge_outcomes (instance_id, generation, outcome, reason) VALUES ($1, $2, $3, $4)
+-- name: outcomes_insert
+INSERT INTO charge_outcomes (instance_id, generation, outcome, reason)
+SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::text[])
 ON CONFLICT DO NOTHING;
+
+-- name: outcomes_known
+-- Which of the charges ($1, $2) have an outcome recorded.
+SELECT o.instance_id, o.generation
+FROM charge_outcomes o JOIN unnest($1::uuid[], $2::bigint[]) AS u (instance_id, generation)
+  ON o.instance_id = u.instance_id AND o.generation = u.generation;
 
 -- name: outcome_get
 SELECT outcome, reason FROM charge_outcomes WHERE instance_id = $1 AND generation = $2;
@@ -287,9 +328,6 @@ SELECT EXISTS (
 
 -- name: vmm_exists
 SELECT EXISTS (SELECT 1 FROM vmms WHERE id = $1);
-
--- name: vmm_placed
-SELECT sled_id, boot_number FROM vmms WHERE id = $1;
 
 -- name: vmm_sled
 SELECT sled_id FROM vmms WHERE id = $1;
@@ -361,5 +399,8 @@ SELECT u.id, u.generation FROM unnest($1::uuid[], $2::bigint[]) AS u (id, genera
 WHERE NOT EXISTS (SELECT 1 FROM charge_outcomes o WHERE o.instance_id = u.id AND o.generation = u.generation)
 ON CONFLICT DO NOTHING;
 
--- name: charge_answered
-DELETE FROM pending_charges WHERE instance_id = $1 AND generation = $2 RETURNING 1;
+-- name: charges_answered
+-- The charges ($1, $2) that were waiting for their outcomes, and are answered now.
+DELETE FROM pending_charges p USING unnest($1::uuid[], $2::bigint[]) AS u (instance_id, generation)
+WHERE p.instance_id = u.instance_id AND p.generation = u.generation
+RETURNING p.instance_id, p.generation;

@@ -36,7 +36,7 @@ async def main(settings: Settings) -> None:
             i.target_vmm_boot_id, i.vmm_boot_number, i.target_vmm_boot_number, i.next_restart_at,
         )  # fmt: skip
         if i.state == "failed":
-            reconciler.wake.set()
+            reconciler.wake_restarts.set()
 
     async def on_inventories(batch: list[bus.Delivery]) -> None:
         """A batch of inventories, in one transaction of two statements; of one sled's, the newest counts.

@@ -3,13 +3,13 @@ recovery's own tables, and asks for what would make them agree. Every request is
 (by VMM id, or by the instance generation the decision was made on), so a pass can be cut short at any
 point, repeated, or run by two replicas at once: the next pass converges.
 
-Reconciler 1, "what runs where":
+Reconciler 1, "what runs where" (runs_where):
   - a VMM placed on an earlier boot of its sled than the sled's latest is lost (the sled rebooted): its
     instance fails, at once;
   - an instance starting or stopping past the timeout, on a sled that still answers, is lost likewise;
     a migration past the timeout is called off (its target is lost; the instance runs on its source);
   - a VMM a sled runs but nobody expects, for longer than a grace period, is destroyed (a zombie).
-Reconciler 2, "bring them back":
+Reconciler 2, "bring them back" (bring_back):
   - a failed instance whose policy is best_effort and that is meant to run is started again, through the
     ordinary start saga (so anywhere with room, quota checked again), once its next restart is due (the
     cooldown, longer after restarts that found no room); any other failed instance comes to rest as
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,8 +50,12 @@ from shared.messages.orders import LOST_BATCH
 log = logging.getLogger(__name__)
 SOURCE = "recovery"
 Q = db.queries(Path(__file__).parent / "queries.sql")
-PASS_LOCK = "recovery-pass"
+RECONCILERS = ("runs_where", "bring_back")
+"""Reconciler 1 and 2, by the names their passes are locked, counted and timed under."""
 CONCURRENCY = 16
+
+
+Pass = Callable[[], Awaitable[dict[str, int]]]
 
 
 def _one_lost(order: VmmLostV2, v: LostVmm) -> VmmLost:
@@ -67,49 +71,64 @@ def _one_lost(order: VmmLostV2, v: LostVmm) -> VmmLost:
 
 @dataclass
 class Reconciler:
+    """Both reconcilers, each in a loop of its own: a rack's worth of restarts (reconciler 2) takes as long
+    as starting them does, and must not hold back the truth about the next sled that reboots (reconciler
+    1). Each runs a pass when woken, or every `interval`; one replica at a time each."""
+
     pool: asyncpg.Pool
     nc: NATS
     dsn: str
     interval: float = field(default_factory=lambda: settings().reconcile_interval)
     zombie_grace: float = field(default_factory=zombie_grace)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    lock: db.PassLock = field(init=False)
+    """Reconciler 1 looks now (a sled came back on a new boot)."""
+    wake_restarts: asyncio.Event = field(default_factory=asyncio.Event)
+    """Reconciler 2 looks now (an instance failed)."""
+    locks: dict[str, db.PassLock] = field(init=False)
+    truth_first: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by a pass of reconciler 1; a pass of reconciler 2 waits for it to end before it begins, so
+    that after a power loss the API tells the truth before instance-manager is busy restarting."""
 
     def __post_init__(self) -> None:
-        self.lock = db.PassLock(self.dsn, PASS_LOCK)
+        self.locks = {name: db.PassLock(self.dsn, f"recovery-{name}") for name in RECONCILERS}
 
     async def run(self) -> None:
+        await asyncio.gather(
+            self._loop("runs_where", self.wake, self.runs_where),
+            self._loop("bring_back", self.wake_restarts, self.bring_back),
+        )
+
+    async def _loop(self, name: str, wake: asyncio.Event, step: Pass) -> None:
         while True:
+            wake.clear()  # before the pass: news that comes during it brings the next one at once
             try:
-                await self.run_pass()
+                await self.run_pass(name, step)
             except Exception as e:
-                log.warning("reconcile pass failed: %s", e)
-                telemetry.count("reconcile.pass_errors")
-            self.wake.clear()
+                log.warning("reconcile pass (%s) failed: %s", name, e)
+                telemetry.count(f"reconcile.{name}.pass_errors")
             try:
-                await asyncio.wait_for(self.wake.wait(), self.interval)
+                await asyncio.wait_for(wake.wait(), self.interval)
             except TimeoutError:
                 pass
 
-    async def run_pass(self) -> dict[str, int] | None:
-        """One pass of both reconcilers, if no other replica is running one. Returns what it asked for."""
-        async with self.lock as mine:
+    async def run_pass(self, name: str, step: Pass) -> dict[str, int] | None:
+        """One pass of a reconciler, if no other replica is running one. Returns what it asked for."""
+        async with self.locks[name] as mine:
             if not mine:
-                telemetry.count("reconcile.passes_skipped")
+                telemetry.count(f"reconcile.{name}.passes_skipped")
                 return None
-            with metrics.timed("rackplane.reconcile.pass.duration"):
-                done = await self._pass()
-            telemetry.count("reconcile.passes")
+            with metrics.timed("rackplane.reconcile.pass.duration", reconciler=name):
+                done = await step()
+            telemetry.count(f"reconcile.{name}.passes")
             return done
 
-    async def _pass(self) -> dict[str, int]:
-        done = {
-            "lost": await self.lost_vmms(),
-            "stuck": await self.stuck_instances(),
-            "zombies": await self.zombies(),
-        }
-        done.update(await self.bring_back())
-        return done
+    async def runs_where(self) -> dict[str, int]:
+        async with self.truth_first:
+            return {
+                "lost": await self.lost_vmms(),
+                "stuck": await self.stuck_instances(),
+                "zombies": await self.zombies(),
+            }
 
     # --- reconciler 1 ---
 
@@ -188,6 +207,8 @@ class Reconciler:
     # --- reconciler 2 ---
 
     async def bring_back(self) -> dict[str, int]:
+        async with self.truth_first:
+            pass  # after reconciler 1's pass under way, if any
         now = datetime.now(UTC)
         restart, settle, waiting = [], [], 0
         for r in await self.pool.fetch(Q["failed"]):

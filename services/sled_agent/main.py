@@ -20,6 +20,7 @@ from shared.config import Settings
 from shared.messages import (
     Envelope,
     SimFaults,
+    SimRackReboot,
     SimSledAdd,
     SimSledFreeze,
     SimSledHeal,
@@ -151,14 +152,26 @@ async def announce(sled: Sled) -> None:
 
 
 async def inventory_loop(sim: Simulator, interval: float) -> None:
+    """Every sled's inventory once an interval, spread evenly over it (a rack of thousands does not
+    report in one burst), each sent without waiting for the one before. A sled whose last inventory is
+    still on its way skips its turn rather than queue up behind a slow broker."""
+    loop = asyncio.get_running_loop()
+    sending: dict[str, asyncio.Task[None]] = {}
     while True:
-        for s in list(sim.sleds.values()):
-            await announce(s)
-        await asyncio.sleep(interval)
+        start = loop.time()
+        sleds = list(sim.sleds.values())
+        sending = {sled_id: task for sled_id, task in sending.items() if sled_id in sim.sleds}
+        for i, sled in enumerate(sleds):
+            if (wait := start + interval * i / len(sleds) - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            if (task := sending.get(sled.sled_id)) is None or task.done():
+                sending[sled.sled_id] = asyncio.create_task(announce(sled))
+        await asyncio.sleep(max(start + interval - loop.time(), 0.0))
 
 
 async def serve_control(nc: Any, sim: Simulator) -> None:
-    """Simulator control: `rp.sim.faults.set` and `rp.sim.sled.<verb>` (request/reply)."""
+    """Simulator control: `rp.sim.faults.set`, `rp.sim.sled.<verb>` and `rp.sim.rack.reboot`
+    (request/reply)."""
 
     async def set_faults(body: SimFaults, msg: Msg) -> dict[str, Any]:
         sled = sim.get(body.sled_id)
@@ -173,6 +186,13 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         sled.reboot()
         await announce(sled)
         return sled.describe()
+
+    async def rack_reboot(body: SimRackReboot, msg: Msg) -> dict[str, Any]:
+        sleds = list(sim.sleds.values())
+        for sled in sleds:
+            sled.reboot()
+        await asyncio.gather(*(announce(sled) for sled in sleds))
+        return {"rebooted": len(sleds)}
 
     async def freeze(body: SimSledFreeze, msg: Msg) -> dict[str, Any]:
         sled = sim.get(body.sled_id)
@@ -211,6 +231,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         SimFaults: set_faults,
         SimSledList: sled_list,
         SimSledReboot: reboot,
+        SimRackReboot: rack_reboot,
         SimSledFreeze: freeze,
         SimSledThaw: thaw,
         SimSledPartition: partition,

@@ -143,6 +143,7 @@ from shared.messages.silos import (
 )
 from shared.messages.simulator import (
     SimFaults,
+    SimRackReboot,
     SimSledAdd,
     SimSledFreeze,
     SimSledHeal,
@@ -260,6 +261,7 @@ __all__ = [
     "SiloCreated",
     "SiloList",
     "SimFaults",
+    "SimRackReboot",
     "SimSledAdd",
     "SimSledFreeze",
     "SimSledHeal",

@@ -51,6 +51,12 @@ class SimSledReboot(SimSledRef):
     pass
 
 
+@message("rp.sim.rack.reboot")
+class SimRackReboot(Model):
+    """Every simulated sled reboots at once, and each announces its new boot at once: the power loss of a
+    whole rack. Answered with how many rebooted."""
+
+
 @message("rp.sim.sled.freeze")
 class SimSledFreeze(SimSledRef):
     pass

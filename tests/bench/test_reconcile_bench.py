@@ -95,9 +95,12 @@ async def test_a_reconcile_pass_over_a_rack_at_scale() -> None:
                     await conn.fetch("SELECT * FROM instances")
                 baselines.append(time.monotonic() - t)
                 t = time.monotonic()
-                done = await reconciler.run_pass()
+                done = {
+                    **(await reconciler.run_pass("runs_where", reconciler.runs_where) or {}),
+                    **(await reconciler.run_pass("bring_back", reconciler.bring_back) or {}),
+                }
                 passes.append(time.monotonic() - t)
-                assert done is not None and not any(done[k] for k in ("lost", "stuck", "zombies", "restart"))
+                assert not any(done[k] for k in ("lost", "stuck", "zombies", "restart")), done
         finally:
             await pool.close()
         p, b = statistics.median(passes), statistics.median(baselines)
