@@ -117,8 +117,8 @@ class Executor:
             params,
             out,
             telemetry.current_traceparent(),
+            first.name,
         )
-        await conn.execute(SQL["log"], saga_id, first.name, "done", None)
         return saga_id
 
     def launch(self, saga_id: uuid.UUID) -> asyncio.Task[str]:
@@ -196,13 +196,15 @@ class Executor:
 
     async def _drive(self, saga_id: uuid.UUID) -> str:
         attempt = 0
+        row: asyncpg.Record | None = None  # as a step's commit left it; read afresh after anything else
         while True:
-            try:
-                row = await self._load(saga_id)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-                log.info("saga %s: cannot read its progress yet (%s)", saga_id, e)
-                await asyncio.sleep(self.retry_delay)
-                continue
+            if row is None:
+                try:
+                    row = await self._load(saga_id)
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                    log.info("saga %s: cannot read its progress yet (%s)", saga_id, e)
+                    await asyncio.sleep(self.retry_delay)
+                    continue
             if row is None or row["status"] in ("done", "failed"):
                 return row["status"] if row else "missing"
             saga = self.kinds[row["kind"]]
@@ -223,18 +225,20 @@ class Executor:
                     ),
                 ):
                     if forward:
-                        await self._forward(saga, row, step)
+                        row = await self._forward(saga, row, step)
                     else:
-                        await self._backward(saga, row, step)
+                        row = await self._backward(saga, row, step)
                 attempt = 0
             except StepFailed as e:
                 await self._start_unwinding(row, step, e.reason)
+                row = None
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                failed, row = row, None
                 attempt += 1
                 log.warning(
-                    "saga %s %s/%s: attempt %d failed: %s", row["kind"], saga_id, step.name, attempt, e
+                    "saga %s %s/%s: attempt %d failed: %s", failed["kind"], saga_id, step.name, attempt, e
                 )
                 telemetry.count("saga.step_retries")
                 await asyncio.sleep(min(self.retry_delay * 2 ** min(attempt, 5), 5.0))
@@ -242,20 +246,21 @@ class Executor:
     async def _load(self, saga_id: uuid.UUID) -> asyncpg.Record | None:
         return await self.pool.fetchrow(SQL["load"], saga_id)
 
-    async def _forward(self, saga: Saga, row: asyncpg.Record, step: Step) -> None:
+    async def _forward(self, saga: Saga, row: asyncpg.Record, step: Step) -> asyncpg.Record:
+        """Do a step and record it done, in one transaction if it is local; the saga as it now is."""
         data = dict(row["data"])
         done = row["cursor"] + 1 >= len(saga.steps)
         if step.local:
             async with self.pool.acquire() as conn, conn.transaction():
                 out = await step.action(Context(row["id"], row["params"], data, self.app, conn)) or {}
-                await self._advance(conn, row, step, {**data, **out}, "done" if done else "running", +1)
-        else:
-            out = await step.action(Context(row["id"], row["params"], data, self.app, None)) or {}
-            crash_point(f"saga:{saga.kind}/after:{step.name}")  # done, and not yet recorded as done
-            async with self.pool.acquire() as conn, conn.transaction():
-                await self._advance(conn, row, step, {**data, **out}, "done" if done else "running", +1)
+                return await self._advance(
+                    conn, row, step, {**data, **out}, "done" if done else "running", +1
+                )
+        out = await step.action(Context(row["id"], row["params"], data, self.app, None)) or {}
+        crash_point(f"saga:{saga.kind}/after:{step.name}")  # done, and not yet recorded as done
+        return await self._advance(self.pool, row, step, {**data, **out}, "done" if done else "running", +1)
 
-    async def _backward(self, saga: Saga, row: asyncpg.Record, step: Step) -> None:
+    async def _backward(self, saga: Saga, row: asyncpg.Record, step: Step) -> asyncpg.Record:
         data = dict(row["data"])
         status = "failed" if row["cursor"] == 0 else "unwinding"
         ctx = Context(row["id"], row["params"], data, self.app, None, row["error"])
@@ -266,30 +271,25 @@ class Executor:
             if step.undo is not None and step.undo_local:
                 ctx.conn = conn
                 await step.undo(ctx)
-            await self._advance(conn, row, step, data, status, -1, event="undone")
+            return await self._advance(conn, row, step, data, status, -1, event="undone")
 
     async def _advance(
         self,
-        conn: asyncpg.Connection,
+        conn: asyncpg.Connection | asyncpg.Pool,
         row: asyncpg.Record,
         step: Step,
         data: dict[str, Any],
         status: str,
         move: int,
         event: str = "done",
-    ) -> None:
-        updated = await conn.execute(
-            SQL["advance"],
-            row["id"],
-            data,
-            status,
-            move,
-            row["cursor"],
-            row["status"],
+    ) -> asyncpg.Record:
+        """Move the saga on (or back) by one step and log it, in one statement; the saga as it now is."""
+        moved = await conn.fetchrow(
+            SQL["advance"], row["id"], data, status, move, row["cursor"], row["status"], step.name, event
         )
-        if updated != "UPDATE 1":
+        if moved is None:
             raise RuntimeError(f"saga {row['id']} moved under us")
-        await conn.execute(SQL["log"], row["id"], step.name, event, None)
+        return moved
 
     async def _start_unwinding(self, row: asyncpg.Record, step: Step, reason: str) -> None:
         log.info("saga %s %s: step %s failed: %s; unwinding", row["kind"], row["id"], step.name, reason)

@@ -53,6 +53,10 @@ Q = db.queries(Path(__file__).parent / "queries.sql")
 RECONCILERS = ("runs_where", "bring_back")
 """Reconciler 1 and 2, by the names their passes are locked, counted and timed under."""
 CONCURRENCY = 16
+LOOK_AGAIN = 0.5
+"""Seconds until reconciler 1 looks again after lost VMMs it could not settle: refused as stale (mostly
+instance-manager not having applied the sled's new boot yet, when a whole rack reboots at once) or not
+answered. The next interval would leave the API calling them running for that long."""
 
 
 Pass = Callable[[], Awaitable[dict[str, int]]]
@@ -148,33 +152,38 @@ class Reconciler:
             )
         sem = asyncio.Semaphore(CONCURRENCY)
 
-        async def one(order: VmmLostV2) -> None:
+        async def one(order: VmmLostV2) -> int:
             async with sem:
-                await self._lost(order)
+                return await self._lost(order)
 
-        await asyncio.gather(
+        unsettled = await asyncio.gather(
             *(
                 one(VmmLostV2(sled_id=sled, sled_boot=boot, vmms=vmms[i : i + LOST_BATCH]))
                 for (sled, boot), vmms in by_sled.items()
                 for i in range(0, len(vmms), LOST_BATCH)
             )
         )
+        if sum(unsettled):
+            asyncio.get_running_loop().call_later(LOOK_AGAIN, self.wake.set)
         return len(rows)
 
-    async def _lost(self, order: VmmLostV2) -> None:
+    async def _lost(self, order: VmmLostV2) -> int:
+        """Send one lost order; returns how many of its VMMs are still to settle (refused as stale, or the
+        order failed)."""
         subject = subjects.command(None, "vmm", "lost")
         try:
             reply = await bus.request(self.nc, subject, order, source=SOURCE, timeout=10)
         except bus.CommandError as e:
             if e.code == "unsupported_version":  # an instance-manager of a release before v2, mid-upgrade
                 await self._ask_all((subject, _one_lost(order, v), "vmm_lost") for v in order.vmms)
-                return
+                return 0
             telemetry.count("reconcile.vmm_lost_errors")
             log.warning("lost VMMs on %s: %s", order.sled_id, e.message)
-            return
+            return len(order.vmms)
         stale = [r for r in reply["results"].values() if r.startswith("stale")]
         telemetry.count("reconcile.vmm_lost", len(order.vmms) - len(stale))
         telemetry.count("reconcile.vmm_lost_stale", len(stale))
+        return len(stale)
 
     async def stuck_instances(self) -> int:
         rows = await self.pool.fetch(Q["stuck"], transition_timeout(), sled_unknown_after())
