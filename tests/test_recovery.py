@@ -320,6 +320,31 @@ async def test_a_simulator_restart_is_not_a_sled_reboot(rack: MakeRack) -> None:
     await assert_invariants(db)
 
 
+async def test_the_api_calls_a_rebooted_sleds_instances_failed_before_recovery_records_it(
+    rack: MakeRack,
+) -> None:
+    """From the moment instance-manager applies the new boot's inventory, the API says failed, with the
+    reboot as the reason, even with recovery away; recovery's order records it (a new generation) once
+    it is back, and the policy brings the instance back."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    await start_many(client, silo, proj, ["vm"], {"vm": AutoRestart.best_effort})
+    before = await client.instance("show", silo, proj, "vm")
+    stack.services["recovery"].kill()
+    await client.sim_sled("reboot", "sled-0")
+    shown = await wait_state(client, silo, proj, "vm", "failed", timeout=5)
+    assert shown["generation"] == before["generation"], shown  # nothing recorded yet: only seen
+    assert shown["health"] == "failed", shown
+    assert shown["last_error"] == "sled sled-0 rebooted (boot 1 ended; boot 2 began)", shown
+    assert (await client.instance_list(silo, proj))[0]["state"] == "failed"
+    stack.start_service("recovery")
+    stack.wait_ready(("recovery",))
+    back = await wait_state(client, silo, proj, "vm", "running", timeout=30)
+    assert back["generation"] > before["generation"] and back["vmm_boot_number"] == 2, back
+    assert back["auto_restarts"] == 1 and back["last_error"] == shown["last_error"], back
+    await assert_invariants(db)
+
+
 async def test_a_stop_while_recovery_is_away_is_not_undone(rack: MakeRack) -> None:
     """The sled reboots while recovery is down; the user stops the instance (which in truth runs nowhere);
     when recovery comes back and finds the VMM lost, the instance ends stopped, not restarted."""

@@ -35,16 +35,25 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating', $8, CASE WHEN $8::uuid IS NULL T
 -- instances' health is unknown; $3: the automatic restart cooldown, in seconds; $4: the longest wait
 -- between automatic restarts. The cooldown doubles with each restart in a row that could not start
 -- the instance (no room, no quota), up to $4: the one rule for when the next restart is due.
+-- An instance whose VMM was placed on an earlier boot of its sled than the one the sled now reports
+-- (x.lost) runs nowhere: it is shown as what recovery's lost order will make of it (failed; stopped if it
+-- was stopping: lifecycle.Ended.state, orders.lost's reason) from the moment this service applies the
+-- new boot's inventory, not once that order is through, which after a rack-wide power loss is a queue.
 SELECT i.id, s.name AS silo, p.name AS project, i.name, s.id AS silo_id, p.id AS project_id,
-       i.vcpus, i.ram_bytes, i.disk_bytes, i.auto_restart, i.state, i.intended_state, i.generation,
+       i.vcpus, i.ram_bytes, i.disk_bytes, i.auto_restart,
+       CASE WHEN x.lost THEN CASE WHEN i.state = 'stopping' THEN 'stopped' ELSE 'failed' END
+            ELSE i.state END AS state,
+       i.intended_state, i.generation,
        i.active_vmm_id, v.sled_id, v.boot_id AS vmm_boot_id, v.boot_number AS vmm_boot_number,
-       i.last_error, i.failed_at,
-       i.auto_restarts, i.last_auto_restart_at, i.updated_at,
+       CASE WHEN x.lost AND i.state <> 'stopping'
+            THEN format('sled %s rebooted (boot %s ended; boot %s began)', v.sled_id, v.boot_number, sl.boot_number)
+            ELSE i.last_error END AS last_error,
+       i.failed_at, i.auto_restarts, i.last_auto_restart_at, i.updated_at,
        pl.name AS pool, i.provisioned_at, i.has_customer_data_at,
        i.target_vmm_id, tv.sled_id AS target_sled_id, tv.boot_id AS target_vmm_boot_id,
        tv.boot_number AS target_vmm_boot_number,
        CASE
-           WHEN i.state = 'failed' THEN 'failed'
+           WHEN i.state = 'failed' OR (x.lost AND i.state <> 'stopping') THEN 'failed'
            WHEN v.id IS NOT NULL AND (sl.last_seen_at IS NULL
                                       OR sl.last_seen_at < now() - make_interval(secs => $2)) THEN 'unknown'
            ELSE 'ok'
@@ -61,6 +70,8 @@ LEFT JOIN vmms v ON v.id = i.active_vmm_id
 LEFT JOIN sleds sl ON sl.id = v.sled_id
 LEFT JOIN pools pl ON pl.id = i.pool_id
 LEFT JOIN vmms tv ON tv.id = i.target_vmm_id
+CROSS JOIN LATERAL (SELECT coalesce(i.state IN ('starting', 'running', 'stopping', 'migrating')
+                                    AND v.ended_at IS NULL AND sl.boot_number > v.boot_number, false) AS lost) x
 JOIN unnest($1::uuid[]) WITH ORDINALITY AS wanted (id, n) ON wanted.id = i.id
 ORDER BY wanted.n;
 

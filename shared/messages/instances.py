@@ -52,6 +52,9 @@ class InstanceView(Event):
     disk_bytes: int
     auto_restart: AutoRestart
     state: InstanceState
+    """As far as instance-manager knows now: an instance whose VMM's sled has since come back on a later
+    boot is `failed` (`stopped`, if it was stopping) from the moment that boot's inventory is applied,
+    before recovery's order records it (and bumps the generation)."""
     intended_state: Literal["running", "stopped"]
     generation: int
     active_vmm_id: uuid.UUID | None
@@ -65,7 +68,8 @@ class InstanceView(Event):
     target_vmm_boot_id: uuid.UUID | None = None
     target_vmm_boot_number: int | None = None
     health: Literal["ok", "unknown", "failed"]
-    """`unknown`: its sled has gone quiet. Such an instance is neither failed nor restarted."""
+    """`unknown`: its sled has gone quiet. Such an instance is neither failed nor restarted. `failed`: it
+    failed, or its sled has rebooted since its VMM was placed."""
     last_error: str | None = None
     failed_at: datetime | None = None
     auto_restarts: int = 0

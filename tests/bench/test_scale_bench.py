@@ -24,6 +24,7 @@ import pytest
 
 from deploy.stack import ROOT, Stack
 from services.recovery.reconcile import RECONCILERS
+from shared.db import queries as db_queries
 from shared.messages import AutoRestart, Quota
 from tests.conftest import GiB, private_rack
 
@@ -49,19 +50,21 @@ PRODUCTION = {
 scale, a start that waits its turn is not stuck after 6 s, and a sled that reports every 5 s is not
 silent after 3."""
 
-RUNNING = """
-SELECT count(*) FILTER (WHERE i.state = 'running') AS running,
-       count(*) FILTER (WHERE i.state = 'running' AND v.boot_id = ANY($1::uuid[])) AS lost
-FROM instance_manager.instances i LEFT JOIN instance_manager.vmms v ON v.id = i.active_vmm_id
-WHERE i.state <> 'destroyed'
-"""
-"""(instances running, of which on a VMM of a boot that has ended), straight from instance-manager's table:
-what the API says, without N `show`s a poll (which would measure the poller)."""
+VIEW = db_queries(ROOT / "services" / "instance_manager" / "queries.sql")["instance_view"]
+"""What a reply says of each instance (`instance show`, `instance list`): read straight from
+instance-manager's tables for all of them in one query, without N `show`s a poll (which would measure the
+poller)."""
 
 
 async def counts(db: asyncpg.Pool, ended_boots: list[str]) -> tuple[int, int]:
-    row = await db.fetchrow(RUNNING, ended_boots)
-    return row["running"], row["lost"]
+    """(instances the API calls running, of which on a VMM of a boot that has ended)."""
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute("SET LOCAL search_path TO instance_manager")
+        ids = [r["id"] for r in await conn.fetch("SELECT id FROM instances WHERE state <> 'destroyed'")]
+        rows = await conn.fetch(VIEW, ids, 15, 60, 600)
+    running = [r for r in rows if r["state"] == "running"]
+    ended = set(ended_boots)
+    return len(running), sum(str(r["vmm_boot_id"]) in ended for r in running)
 
 
 async def in_parallel(n: int, one: Callable[[int], Awaitable[None]]) -> None:
