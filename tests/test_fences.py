@@ -214,9 +214,10 @@ async def test_one_lost_order_for_many_vmms_checks_each_on_its_own(rack: MakeRac
     assert c.startswith("stale: ") and "has no record" in c, c
     assert await counter(client, "instance-manager", "orders.stale.lost") == 2
     assert (await client.instance("show", silo, proj, "a"))["state"] == "failed"
-    for n in ("b", "c"):
+    for n in ("b", "c"):  # refused: nothing recorded (the API shows them failed all the same: lost VMMs)
         now = await client.instance("show", silo, proj, n)
-        assert (now["state"], now["active_vmm_id"]) == ("running", v[n]["active_vmm_id"]), now
+        assert (now["generation"], now["active_vmm_id"]) == (v[n]["generation"], v[n]["active_vmm_id"]), now
+        assert (now["state"], now["failed_at"]) == ("failed", None), now
 
     stack.start_service("recovery")  # its own orders, on its own picture, finish the repair
     await wait_state(client, silo, proj, "b", "stopped", timeout=20)
