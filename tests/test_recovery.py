@@ -345,6 +345,25 @@ async def test_the_api_calls_a_rebooted_sleds_instances_failed_before_recovery_r
     await assert_invariants(db)
 
 
+async def test_a_lost_order_refused_for_a_boot_not_yet_seen_is_sent_again_soon(rack: MakeRack) -> None:
+    """Recovery hears a sled's new boot before instance-manager does (here its inventories are handled
+    2 s late): the lost order is refused as stale, and recovery looks again within a second
+    (reconcile.LOOK_AGAIN), not at the next interval (a minute here), so the failure is recorded and the
+    restart follows within seconds."""
+    _, client, db = await rack(RACKPLANE_SLEDS="1", RACKPLANE_RECONCILE_INTERVAL="60")
+    silo, proj = await new_project(client)
+    await start_many(client, silo, proj, ["vm"], {"vm": AutoRestart.never})
+    late = ServiceFaults(slow_handler_seconds=2, only=["rp.sled.sled-0.report.inventory"])
+    await client.faults("instance-manager", late)
+    await client.sim_sled("reboot", "sled-0")
+    settled = await wait_state(client, silo, proj, "vm", "stopped", timeout=15)
+    assert "sled sled-0 rebooted" in (settled["last_error"] or ""), settled
+    assert await counter(client, "recovery", "reconcile.vmm_lost_stale") >= 1
+    assert await counter(client, "recovery", "reconcile.vmm_lost") == 1
+    await client.faults("instance-manager", ServiceFaults(clear=True))
+    await assert_invariants(db)
+
+
 async def test_a_stop_while_recovery_is_away_is_not_undone(rack: MakeRack) -> None:
     """The sled reboots while recovery is down; the user stops the instance (which in truth runs nowhere);
     when recovery comes back and finds the VMM lost, the instance ends stopped, not restarted."""
