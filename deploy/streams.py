@@ -17,6 +17,10 @@ from shared import bus, subjects
 from shared.config import ConfigError, Settings, duplicate_window
 
 MAX_AGE_S = 7 * 24 * 3600.0
+MAX_CONSUMERS = 100_000
+"""Consumers a stream may hold. nats-server 2.15 gives a stream that sets none a limit of 1,000 (and reads 0
+or -1 as "the default", not "unlimited"), and the sleds' command stream holds a durable consumer for
+each sled: past 1,000 sleds the rest could not read their orders (`maximum consumers limit reached`)."""
 
 
 def configs(window: float | None = None) -> list[api.StreamConfig]:
@@ -30,6 +34,7 @@ def configs(window: float | None = None) -> list[api.StreamConfig]:
             retention=api.RetentionPolicy.LIMITS,
             duplicate_window=window,
             max_age=MAX_AGE_S,
+            max_consumers=MAX_CONSUMERS,
             subject_transform=(
                 api.SubjectTransform(src=t[0], dest=t[1]) if (t := subjects.TRANSFORMS.get(name)) else None
             ),

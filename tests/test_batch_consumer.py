@@ -98,6 +98,13 @@ async def test_a_poison_message_is_dead_lettered_alone_and_its_batch_applies(js:
         task.cancel()
 
 
+async def test_every_stream_can_hold_a_consumer_for_each_sled_of_a_full_rack(js: Any) -> None:
+    """A stream that sets no limit of its own holds at most 1,000 consumers (nats-server 2.15), and the
+    sleds' command stream holds one durable consumer a sled: a rack of 5,000 needs more."""
+    for name in subjects.STREAMS:
+        assert (await js.stream_info(name)).config.max_consumers >= 5000, name
+
+
 def test_message_ids_are_the_uuid5_of_their_keys() -> None:
     """Ids derived from keys must not change between releases: a resend after an upgrade is dropped by the
     broker only if its id is the one the older release gave the message."""
