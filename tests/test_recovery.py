@@ -349,7 +349,7 @@ async def test_a_lost_order_refused_for_a_boot_not_yet_seen_is_sent_again_soon(r
     """Recovery hears a sled's new boot before instance-manager does (here its inventories are handled
     2 s late): the lost order is refused as stale, and recovery looks again within a second
     (reconcile.LOOK_AGAIN), not at the next interval (a minute here), so the failure is recorded and the
-    restart follows within seconds."""
+    instance (policy never) comes to rest stopped within seconds."""
     _, client, db = await rack(RACKPLANE_SLEDS="1", RACKPLANE_RECONCILE_INTERVAL="60")
     silo, proj = await new_project(client)
     await start_many(client, silo, proj, ["vm"], {"vm": AutoRestart.never})
