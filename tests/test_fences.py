@@ -225,6 +225,49 @@ async def test_one_lost_order_for_many_vmms_checks_each_on_its_own(rack: MakeRac
     await assert_invariants(db)
 
 
+async def test_lost_orders_for_many_sleds_at_once_are_each_answered_on_their_own(rack: MakeRack) -> None:
+    """After a rack's power loss the lost orders (one a sled) come together, and instance-manager applies
+    those that arrive together in one transaction: each order still gets its own answer, a stale one is
+    refused alone, and a repeat of an order is no harm."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="3", RACKPLANE_SLED_SHAPES="2:2")
+    silo, proj = await new_project(client)
+    v = await running(client, silo, proj, [f"vm-{i}" for i in range(6)])
+    stack.services["recovery"].stop()  # this test sends the orders recovery would
+    await client.sim_rack_reboot()
+    for sled in ("sled-0", "sled-1", "sled-2"):
+        await eventually(lambda sled=sled: _boot_is(client, sled, 2))
+
+    def lost(sled: str, boot: int = 2) -> VmmLostV2:
+        on = [i for i in v.values() if i["sled_id"] == sled]
+        vmms = [
+            LostVmm(
+                instance_id=uuid.UUID(i["id"]),
+                generation=i["generation"],
+                vmm_id=uuid.UUID(i["active_vmm_id"]),
+                vmm_boot=i["vmm_boot_number"],
+            )
+            for i in on
+        ]
+        return VmmLostV2(sled_id=sled, sled_boot=boot, vmms=vmms)
+
+    bodies = [lost("sled-0"), lost("sled-1", boot=3), lost("sled-2"), lost("sled-0")]
+    replies = await asyncio.gather(*(order(stack, b) for b in bodies))
+    for body, reply in zip(bodies, replies, strict=True):
+        assert set(reply["results"]) == {str(x.vmm_id) for x in body.vmms}, reply
+    assert set(replies[2]["results"].values()) == {"failed"}, replies[2]
+    for vmm, result in replies[0]["results"].items():  # sled-0's order and its repeat: whichever came first
+        again = replies[3]["results"][vmm]  # failed it, and the other one found it ended (or came with it)
+        assert "failed" in (result, again), (result, again)
+        assert {result, again} <= {"failed", f"stale: VMM {vmm} has ended already"}, (result, again)
+    for result in replies[1]["results"].values():  # a boot sled-1 never had: refused, nothing recorded
+        assert result.startswith("stale: ") and "not yet 3" in result, result
+    for i in v.values():
+        now = await client.instance("show", silo, proj, i["name"])
+        recorded = now["generation"] > i["generation"]
+        assert recorded == (i["sled_id"] != "sled-1"), (i, now)
+    await assert_invariants(db)
+
+
 async def test_a_lagging_recovery_fails_nothing_healthy(rack: MakeRack) -> None:
     """Recovery hears of instances 6 s late (a slow handler, redelivered after the ack wait), while VMMs
     take 3 s to boot and the transition timeout is 4 s: it sees each new VMM in an inventory before it

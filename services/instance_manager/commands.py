@@ -16,7 +16,7 @@ from services.instance_manager.migrate_saga import MIGRATE
 from services.instance_manager.pools import Pools
 from services.instance_manager.start_saga import START, AlreadyRunning
 from shared import bus, subjects
-from shared.db import enqueue
+from shared.db import GroupCommit, enqueue
 from shared.messages import (
     InstanceCreate,
     InstanceDelete,
@@ -44,12 +44,16 @@ from shared.messages import (
 
 SAGA_REPLY_WAIT = 10.0
 """How long a create, start or migration waits for its saga before answering "in progress"."""
+LOST_ORDERS_TOGETHER = 64
+"""Most lost orders applied in one transaction (each names up to LOST_BATCH VMMs of one sled)."""
 
 
 class Commands:
     def __init__(self, app: App, pools: Pools) -> None:
         self.app = app
         self.pools = pools
+        self.lost_orders = GroupCommit(self._apply_lost, most=LOST_ORDERS_TOGETHER)
+        """Lost orders come one a sled: after a rack's power loss, thousands at once."""
 
     async def serve(self) -> None:
         nc = self.app.nc
@@ -282,21 +286,24 @@ class Commands:
         return {"settled": True}
 
     async def vmm_lost(self, body: VmmLostV2, msg: Msg) -> dict[str, Any]:
-        """Every VMM of the order, in one transaction: `{results: {vmm_id: result}}`, where a result
-        that starts with `stale: ` says why that VMM was left alone."""
-        async with self.app.pool.acquire() as conn, conn.transaction():
-            results = await orders.lost(self.app, conn, body)
-        self.app.relay.kick()
+        """Every VMM of the order, in one transaction (shared with the orders that came meanwhile):
+        `{results: {vmm_id: result}}`, where a result that starts with `stale: ` says why that VMM was left
+        alone."""
+        results = await self.lost_orders(body)
         return {"results": {str(k): v for k, v in results.items()}}
 
     async def vmm_lost_one(self, body: VmmLost, msg: Msg) -> dict[str, Any]:
         """v1: one VMM, answered as before (`{result}`, or the error `stale`)."""
-        async with self.app.pool.acquire() as conn, conn.transaction():
-            result = (await orders.lost(self.app, conn, VmmLostV2.of(body)))[body.vmm_id]
-            if result.startswith("stale: "):
-                raise bus.CommandError("stale", result.removeprefix("stale: "))
-        self.app.relay.kick()
+        result = (await self.lost_orders(VmmLostV2.of(body)))[body.vmm_id]
+        if result.startswith("stale: "):
+            raise bus.CommandError("stale", result.removeprefix("stale: "))
         return {"result": result}
+
+    async def _apply_lost(self, batch: list[VmmLostV2]) -> list[dict[uuid.UUID, str]]:
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            results = await orders.lost(self.app, conn, batch)
+        self.app.relay.kick()
+        return results
 
     async def vmm_stuck(self, body: VmmStuck, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():

@@ -77,36 +77,42 @@ async def _locked(
     return vmms, insts
 
 
-async def lost(app: App, conn: asyncpg.Connection, order: VmmLostV2) -> dict[uuid.UUID, str]:
-    """VMMs whose sled has come back on a later boot than the one they were placed on are gone. Each is
-    checked on its own; those that pass are failed together (lifecycle.fail_vmms). Returns, for each
-    VMM, what became of it, or `stale: <why>`."""
-    vmms, insts = await _locked(conn, [v.vmm_id for v in order.vmms])
-    sled = await conn.fetchrow(Q["sled_seen"], order.sled_id, sled_unknown_after())
-    reason = f"sled {order.sled_id} rebooted (boot %d ended; boot {order.sled_boot} began)"
-    results: dict[uuid.UUID, str] = {}
-    doomed: list[Lost] = []
-    for v in order.vmms:
-        vmm = vmms.get(v.vmm_id)
-        try:
-            _check_claim(
-                "lost",
-                vmm,
-                insts.get(vmm["instance_id"]) if vmm else None,
-                v.vmm_id,
-                v.instance_id,
-                v.generation,
+async def lost(app: App, conn: asyncpg.Connection, batch: list[VmmLostV2]) -> list[dict[uuid.UUID, str]]:
+    """VMMs whose sled has come back on a later boot than the one they were placed on are gone. Several
+    orders at once (a rack's reboot brings one a sled): each VMM is checked on its own, and those that pass
+    are failed together (lifecycle.fail_vmms), in a fixed number of statements however many there are.
+    Returns, for each order, what became of each of its VMMs, or `stale: <why>`."""
+    vmms, insts = await _locked(conn, [v.vmm_id for order in batch for v in order.vmms])
+    rows = await conn.fetch(Q["sleds_seen"], sorted({o.sled_id for o in batch}), sled_unknown_after())
+    seen = {r["id"]: r for r in rows}
+    results: list[dict[uuid.UUID, str]] = [{} for _ in batch]
+    doomed: dict[uuid.UUID, Lost] = {}
+    for order, result in zip(batch, results, strict=True):
+        reason = f"sled {order.sled_id} rebooted (boot %d ended; boot {order.sled_boot} began)"
+        for v in order.vmms:
+            vmm = vmms.get(v.vmm_id)
+            try:
+                _check_claim(
+                    "lost",
+                    vmm,
+                    insts.get(vmm["instance_id"]) if vmm else None,
+                    v.vmm_id,
+                    v.instance_id,
+                    v.generation,
+                )
+                assert vmm is not None
+                if _fenced():
+                    _check_lost(order, v, vmm, seen.get(order.sled_id))
+            except Stale as e:
+                result[v.vmm_id] = f"stale: {e.message}"
+                continue
+            doomed[v.vmm_id] = Lost(
+                v.vmm_id, reason % v.vmm_boot, Evidence("rebooted", vmm["boot_number"], order.sled_boot)
             )
-            assert vmm is not None
-            if _fenced():
-                _check_lost(order, v, vmm, sled)
-        except Stale as e:
-            results[v.vmm_id] = f"stale: {e.message}"
-            continue
-        doomed.append(
-            Lost(v.vmm_id, reason % v.vmm_boot, Evidence("rebooted", vmm["boot_number"], order.sled_boot))
-        )
-    return results | await fail_vmms(app, conn, doomed)
+    outcome = await fail_vmms(app, conn, list(doomed.values()))
+    for order, result in zip(batch, results, strict=True):
+        result.update({v.vmm_id: outcome[v.vmm_id] for v in order.vmms if v.vmm_id not in result})
+    return results
 
 
 def _check_lost(order: VmmLostV2, v: LostVmm, vmm: asyncpg.Record, sled: asyncpg.Record | None) -> None:

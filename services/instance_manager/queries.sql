@@ -390,6 +390,11 @@ FROM vmms WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE;
 SELECT state, boot_number, last_seen_at > now() - make_interval(secs => $2) AS answering
 FROM sleds WHERE id = $1;
 
+-- name: sleds_seen
+-- The same, for the sleds $1.
+SELECT id, state, boot_number, last_seen_at > now() - make_interval(secs => $2) AS answering
+FROM sleds WHERE id = ANY($1::text[]);
+
 -- name: instance_overdue
 -- Whether the instance has been in its state longer than $2 seconds, by this service's clock.
 SELECT updated_at < now() - make_interval(secs => $2) FROM instances WHERE id = $1;

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
-
-from nats.aio.msg import Msg
 
 from services.recovery.reconcile import SOURCE, Q, Reconciler
 from shared import bus, subjects, telemetry
 from shared.config import Settings
-from shared.messages import Envelope, InstanceChanged, InstanceChangedV2, SledChanged, SledInventory
+from shared.messages import InstanceChanged, InstanceChangedV2, InstanceView, SledChanged, SledInventory
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
@@ -25,17 +24,17 @@ async def main(settings: Settings) -> None:
     nc, js = await connect_bus(settings, SOURCE)
     reconciler = Reconciler(pool, nc, settings.database_url)
 
-    async def on_instance(env: Envelope, e: InstanceChanged | InstanceChangedV2, msg: Msg) -> None:
-        """Both versions of the event, one handler: while producers send both, the second copy of a change
-        is at the generation already held, and the fence makes it a no-op."""
-        i = e.instance
-        await pool.execute(
-            Q["instance_upsert"], i.id, i.silo, i.project, i.name, i.state.value, i.generation,
-            i.auto_restart.value, i.intended_state, i.active_vmm_id, i.sled_id, i.vmm_boot_id,
-            i.failed_at, i.last_auto_restart_at, i.updated_at, i.target_vmm_id, i.target_sled_id,
-            i.target_vmm_boot_id, i.vmm_boot_number, i.target_vmm_boot_number, i.next_restart_at,
-        )  # fmt: skip
-        if i.state == "failed":
+    async def on_instances(batch: list[bus.Delivery]) -> None:
+        """A batch of instance events, both versions (while producers send both, the second copy of a
+        change is at the generation already held), in one statement: of one instance's, the newest."""
+        newest: dict[uuid.UUID, InstanceView] = {}
+        for d in batch:
+            i = d.body.instance
+            if i.id not in newest or newest[i.id].generation < i.generation:
+                newest[i.id] = i
+        rows = [_instance_row(i) for i in sorted(newest.values(), key=lambda i: i.id.int)]
+        await pool.execute(Q["instances_apply"], *(list(column) for column in zip(*rows, strict=True)))
+        if any(i.state == "failed" for i in newest.values()):
             reconciler.wake_restarts.set()
 
     async def on_inventories(batch: list[bus.Delivery]) -> None:
@@ -61,9 +60,15 @@ async def main(settings: Settings) -> None:
             log.info("sleds came back on a new boot: %s: reconciling now", ", ".join(rebooted[:10]))
             reconciler.wake.set()
 
-    async def on_sled(env: Envelope, e: SledChanged, msg: Msg) -> None:
-        if e.sled.boot_number is not None:
-            await pool.execute(Q["sled_state"], e.sled.id, e.sled.boot_id, e.sled.boot_number, e.sled.state)
+    async def on_sleds(batch: list[bus.Delivery]) -> None:
+        """A batch of sled events, in one statement: of one sled's, the latest."""
+        latest = {d.body.sled.id: d.body.sled for d in batch if d.body.sled.boot_number is not None}
+        sleds = [latest[k] for k in sorted(latest)]
+        await pool.execute(
+            Q["sleds_state"],
+            [s.id for s in sleds], [s.boot_id for s in sleds], [s.boot_number for s in sleds],
+            [s.state for s in sleds],
+        )  # fmt: skip
 
     async def stats() -> dict[str, Any]:
         return {"failed": await pool.fetchval("SELECT count(*) FROM instances WHERE state = 'failed'")}
@@ -74,14 +79,14 @@ async def main(settings: Settings) -> None:
     log.info("recovery ready")
     await run_forever(
         reconciler.run(),
-        bus.Consumer(
+        bus.BatchConsumer(
             js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-instances",
-            filter_subject=subjects.event("*", "instance", "changed"), handler=on_instance,
+            filter_subject=subjects.event("*", "instance", "changed"), batch_handler=on_instances,
             expect=InstanceChanged,
         ).run(),
-        bus.Consumer(
+        bus.BatchConsumer(
             js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-instances-v2",
-            filter_subject=subjects.event("*", "instance", "changed", version=2), handler=on_instance,
+            filter_subject=subjects.event("*", "instance", "changed", version=2), batch_handler=on_instances,
             expect=InstanceChangedV2,
         ).run(),
         bus.BatchConsumer(
@@ -89,8 +94,19 @@ async def main(settings: Settings) -> None:
             durable="recovery-inventory", filter_subject=subjects.sled_report("*", "inventory"),
             batch_handler=on_inventories, expect=SledInventory,
         ).run(),
-        bus.Consumer(
+        bus.BatchConsumer(
             js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-sleds",
-            filter_subject=subjects.event(None, "sled", "changed"), handler=on_sled, expect=SledChanged,
+            filter_subject=subjects.event(None, "sled", "changed"), batch_handler=on_sleds,
+            expect=SledChanged,
         ).run(),
+    )  # fmt: skip
+
+
+def _instance_row(i: InstanceView) -> tuple[Any, ...]:
+    """An instance event's columns, in the order of `instances_apply`."""
+    return (
+        i.id, i.silo, i.project, i.name, i.state.value, i.generation, i.auto_restart.value,
+        i.intended_state, i.active_vmm_id, i.sled_id, i.vmm_boot_id, i.failed_at, i.last_auto_restart_at,
+        i.updated_at, i.target_vmm_id, i.target_sled_id, i.target_vmm_boot_id, i.vmm_boot_number,
+        i.target_vmm_boot_number, i.next_restart_at,
     )  # fmt: skip

@@ -1,10 +1,15 @@
--- name: instance_upsert
--- Fenced by generation: an event older than what is held changes nothing.
+-- name: instances_apply
+-- A batch of instance events, one row per instance ($1 sorted by id: the newest event of each), in one
+-- statement. Fenced by generation: an event older than what is held, or a repeat, changes nothing.
 INSERT INTO instances (id, silo, project, name, state, generation, auto_restart, intended_state,
                        active_vmm_id, sled_id, vmm_boot_id, failed_at, last_auto_restart_at, changed_at,
                        target_vmm_id, target_sled_id, target_vmm_boot_id, vmm_boot_number,
                        target_vmm_boot_number, next_restart_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)
+SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::text[],
+                     $8::text[], $9::uuid[], $10::text[], $11::uuid[], $12::timestamptz[],
+                     $13::timestamptz[], $14::timestamptz[], $15::uuid[], $16::text[], $17::uuid[],
+                     $18::bigint[], $19::bigint[], $20::timestamptz[])
+ORDER BY 1
 ON CONFLICT (id) DO UPDATE
 SET state = EXCLUDED.state, generation = EXCLUDED.generation, auto_restart = EXCLUDED.auto_restart,
     intended_state = EXCLUDED.intended_state, active_vmm_id = EXCLUDED.active_vmm_id,
@@ -34,10 +39,13 @@ SET boot_id = EXCLUDED.boot_id, boot_number = EXCLUDED.boot_number, inventory_se
 WHERE (sleds.boot_number, sleds.inventory_seq) < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
 RETURNING id, boot_number;
 
--- name: sled_state
--- A sled event (instance-manager's view) sets the sled's state; it never moves its boot backwards, and
--- leaves its inventory alone.
-INSERT INTO sleds (id, boot_id, boot_number, state, last_inventory_at) VALUES ($1, $2, $3, $4, '-infinity')
+-- name: sleds_state
+-- A batch of sled events (instance-manager's view; one per sled, the latest) sets each sled's state; it
+-- never moves a boot backwards, and leaves inventories alone.
+INSERT INTO sleds (id, boot_id, boot_number, state, last_inventory_at)
+SELECT u.id, u.boot_id, u.boot_number, u.state, '-infinity'
+FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::text[]) AS u (id, boot_id, boot_number, state)
+ORDER BY 1
 ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state;
 
 -- name: vmms_on_old_boots

@@ -61,18 +61,18 @@ class Simulator:
     _loops: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _connections: dict[str, NATS] = field(default_factory=dict)
 
-    async def _js(self, sled_id: str) -> JetStreamContext:
+    async def _connect(self, sled_id: str) -> NATS:
         """The sled's own connection (its own credential): see identity.py."""
         nc = await identity.connect(self.settings, sled_id)
         self._connections[sled_id] = nc
-        return nc.jetstream()
+        return nc
 
     async def load_or_create(self) -> None:
         """Sleds kept from an earlier run come back as they were; otherwise RACKPLANE_SLEDS new ones."""
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             for path in sorted(self.state_dir.glob("sled-*.json")):
-                sled = Sled.load(path, await self._js(path.stem), self.timing)
+                sled = Sled.load(path, await self._connect(path.stem), self.timing)
                 self.sleds[sled.sled_id] = sled
         if self.sleds:
             log.info("resumed %d sleds from %s", len(self.sleds), self.state_dir)
@@ -87,10 +87,10 @@ class Simulator:
         n = max((int(s.removeprefix("sled-")) for s in self.sleds), default=-1) + 1
         sled_id = f"sled-{n}"
         try:
-            js = await self._js(sled_id)
+            nc = await self._connect(sled_id)
         except identity.NoCredential as e:
             raise bus.CommandError("refused", str(e)) from None
-        sled = Sled(sled_id, vcpus, ram_bytes, js, self.timing, self.state_dir)
+        sled = Sled(sled_id, vcpus, ram_bytes, nc, self.timing, self.state_dir)
         sled._save(now=True)
         self.sleds[sled.sled_id] = sled
         return sled
@@ -98,7 +98,8 @@ class Simulator:
     def start(self, sled: Sled) -> None:
         sled.peer = self.sleds.get
         sled.resume()
-        self._loops[sled.sled_id] = asyncio.create_task(command_loop(sled.js, sled))
+        orders = command_loop(sled.js, sled, self.settings.inventory_interval)
+        self._loops[sled.sled_id] = asyncio.create_task(orders)
 
     def remove(self, sled_id: str) -> None:
         """The sled leaves the rack for good, without a word: it is never heard from again."""
@@ -116,7 +117,11 @@ class Simulator:
         return sled
 
 
-async def command_loop(js: JetStreamContext, sled: Sled) -> None:
+async def command_loop(js: JetStreamContext, sled: Sled, idle_wait: float) -> None:
+    """The sled's orders. An idle sled waits `idle_wait` (its inventory interval) for one before asking
+    again: thousands of sleds asking every second would load the broker more than all their inventories
+    do, and after a broker restart a sled is no later to take its orders than to report."""
+
     async def handle(env: Envelope, body: Any, msg: Msg) -> None:
         if not sled.reachable:
             raise bus.Retry("sled is frozen or cut off", delay=1.0)
@@ -139,6 +144,7 @@ async def command_loop(js: JetStreamContext, sled: Sled) -> None:
         expect=(VmmEnsure, VmmStop, VmmMigrate, VmmDestroy),
         verify=lambda subject, body: subjects.command_error(subject, schema_of(body)[0]),
         max_deliver=1_000_000,  # a frozen sled holds its commands back for as long as it stays frozen
+        idle_wait=idle_wait,
     ).run()
 
 

@@ -36,6 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from shared import bus, subjects, telemetry
@@ -91,7 +92,8 @@ class Sled:
     sled_id: str
     vcpus: int
     ram_bytes: int
-    js: JetStreamContext
+    nc: NATS
+    """The sled's own connection (its own credential: identity.py)."""
     timing: Timing = field(default_factory=Timing)
     state_dir: Path | None = None
     boot_id: uuid.UUID = field(default_factory=uuid.uuid4)
@@ -116,8 +118,10 @@ class Sled:
     _saved: int = 0
     _on_disk: asyncio.Event = field(default_factory=asyncio.Event)
     _writer: asyncio.Task[None] | None = None
+    js: JetStreamContext = field(init=False)
 
     def __post_init__(self) -> None:
+        self.js = self.nc.jetstream()
         self._thawed.set()
         self._connected.set()
         if not self.boots:
@@ -260,7 +264,7 @@ class Sled:
         lost = len(self.vmms)
         self.boot_id = uuid.uuid4()
         self.boot_number += 1
-        self.seq = self.seq_reserved = 0
+        self.seq, self.seq_reserved = 0, SEQ_BLOCK  # the first block goes with the write below, not its own
         self._record_boot()
         for vmm_id in list(self.vmms):
             self._forget(vmm_id)
@@ -382,8 +386,9 @@ class Sled:
     async def publish_inventory(self) -> None:
         if not self.reachable:
             return
-        inv = self.inventory()
-        await bus.publish(self.js, subjects.sled_report(self.sled_id, "inventory"), inv, source=SOURCE)
+        await bus.post(
+            self.js, self.nc, subjects.sled_report(self.sled_id, "inventory"), self.inventory(), source=SOURCE
+        )
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.create_task(coro)
@@ -445,9 +450,9 @@ class Sled:
         self._on_disk.set()
 
     @classmethod
-    def load(cls, path: Path, js: JetStreamContext, timing: Timing) -> Sled:
+    def load(cls, path: Path, nc: NATS, timing: Timing) -> Sled:
         state = json.loads(path.read_text())
-        sled = cls(state["sled_id"], state["vcpus"], state["ram_bytes"], js, timing, path.parent)
+        sled = cls(state["sled_id"], state["vcpus"], state["ram_bytes"], nc, timing, path.parent)
         sled.boot_id = uuid.UUID(state["boot_id"])
         sled.boot_number = state.get("boot_number", 1)
         sled.seq = sled.seq_reserved = state.get("seq_reserved", 0)  # never reuse one handed out before
