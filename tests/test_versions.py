@@ -151,6 +151,7 @@ async def test_recovery_sends_lost_orders_one_by_one_to_an_instance_manager_that
             await bus.serve(
                 old, subjects.command_pattern("vmm"), {VmmLost: v1_only}, queue="instance-manager"
             )
+            await old.flush()  # the broker holds the subscription before recovery's order comes
             vmms = [
                 LostVmm(instance_id=uuid.uuid4(), generation=4, vmm_id=uuid.uuid4(), vmm_boot=1)
                 for _ in "abc"
