@@ -24,7 +24,7 @@ import ssl
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -246,30 +246,32 @@ DLQ_TRUNCATED = "Rp-Dlq-Truncated"
 (the letter keeps the body's beginning; it can be read, not replayed)."""
 
 
+def _sending(subject: str, env: Envelope) -> AbstractContextManager[Any]:
+    return telemetry.messaging_span(
+        subject, Op.SEND, telemetry.SpanKind.PRODUCER, **{MESSAGING_MESSAGE_ID: str(env.id)}
+    )
+
+
 async def publish(
     js: JetStreamContext, subject: str, body: Model, *, source: str, key: str | None = None
 ) -> api.PubAck:
     env = envelope(body, source, msg_id_for(key) if key else None)
-    with telemetry.messaging_span(
-        subject, Op.SEND, telemetry.SpanKind.PRODUCER, **{MESSAGING_MESSAGE_ID: str(env.id)}
-    ):
+    with _sending(subject, env):
         if FAULTS.active:
             return await FAULTS.publish(js, subject, encode(env), headers_for(env))
         return await js.publish(subject, encode(env), headers=headers_for(env))
 
 
-async def post(js: JetStreamContext, nc: NATS, subject: str, body: Model, *, source: str) -> None:
+async def post(nc: NATS, subject: str, body: Model, *, source: str) -> None:
     """Into JetStream without waiting for its ack: for state that the next message of its kind supersedes
     (a sled's inventory), where a lost one costs nothing and a wait costs a future, a timer and a parsed
     ack per message (a third of a rack simulator's time). Under fault injection it goes as `publish`
     does, so that the faults apply."""
     if FAULTS.active:
-        await publish(js, subject, body, source=source)
+        await publish(nc.jetstream(), subject, body, source=source)
         return
     env = envelope(body, source)
-    with telemetry.messaging_span(
-        subject, Op.SEND, telemetry.SpanKind.PRODUCER, **{MESSAGING_MESSAGE_ID: str(env.id)}
-    ):
+    with _sending(subject, env):
         await nc.publish(subject, encode(env), headers=headers_for(env))
 
 

@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from services.sled_agent import identity
 from services.sled_agent.sled import SOURCE, Sled, Timing
@@ -59,20 +57,13 @@ class Simulator:
     state_dir: Path | None
     sleds: dict[str, Sled] = field(default_factory=dict)
     _loops: dict[str, asyncio.Task[None]] = field(default_factory=dict)
-    _connections: dict[str, NATS] = field(default_factory=dict)
-
-    async def _connect(self, sled_id: str) -> NATS:
-        """The sled's own connection (its own credential): see identity.py."""
-        nc = await identity.connect(self.settings, sled_id)
-        self._connections[sled_id] = nc
-        return nc
 
     async def load_or_create(self) -> None:
         """Sleds kept from an earlier run come back as they were; otherwise RACKPLANE_SLEDS new ones."""
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             for path in sorted(self.state_dir.glob("sled-*.json")):
-                sled = Sled.load(path, await self._connect(path.stem), self.timing)
+                sled = Sled.load(path, await identity.connect(self.settings, path.stem), self.timing)
                 self.sleds[sled.sled_id] = sled
         if self.sleds:
             log.info("resumed %d sleds from %s", len(self.sleds), self.state_dir)
@@ -87,7 +78,7 @@ class Simulator:
         n = max((int(s.removeprefix("sled-")) for s in self.sleds), default=-1) + 1
         sled_id = f"sled-{n}"
         try:
-            nc = await self._connect(sled_id)
+            nc = await identity.connect(self.settings, sled_id)  # its own credential
         except identity.NoCredential as e:
             raise bus.CommandError("refused", str(e)) from None
         sled = Sled(sled_id, vcpus, ram_bytes, nc, self.timing, self.state_dir)
@@ -98,7 +89,7 @@ class Simulator:
     def start(self, sled: Sled) -> None:
         sled.peer = self.sleds.get
         sled.resume()
-        orders = command_loop(sled.js, sled, self.settings.inventory_interval)
+        orders = command_loop(sled, self.settings.inventory_interval)
         self._loops[sled.sled_id] = asyncio.create_task(orders)
 
     def remove(self, sled_id: str) -> None:
@@ -107,8 +98,7 @@ class Simulator:
         if (loop := self._loops.pop(sled_id, None)) is not None:
             loop.cancel()
         sled.shut_down()
-        if (nc := self._connections.pop(sled_id, None)) is not None:
-            asyncio.get_running_loop().create_task(nc.close())
+        asyncio.get_running_loop().create_task(sled.nc.close())
 
     def get(self, sled_id: str) -> Sled:
         sled = self.sleds.get(sled_id)
@@ -117,7 +107,7 @@ class Simulator:
         return sled
 
 
-async def command_loop(js: JetStreamContext, sled: Sled, idle_wait: float) -> None:
+async def command_loop(sled: Sled, idle_wait: float) -> None:
     """The sled's orders. An idle sled waits `idle_wait` (its inventory interval) for one before asking
     again: thousands of sleds asking every second would load the broker more than all their inventories
     do, and after a broker restart a sled is no later to take its orders than to report."""
@@ -135,7 +125,7 @@ async def command_loop(js: JetStreamContext, sled: Sled, idle_wait: float) -> No
             await sled.destroy(body)
 
     await bus.Consumer(
-        js,
+        sled.js,
         service="sled-agent",
         stream=subjects.SLED_CMD_STREAM,
         durable=f"sled-agent-{sled.sled_id}",

@@ -387,7 +387,7 @@ class Sled:
         if not self.reachable:
             return
         await bus.post(
-            self.js, self.nc, subjects.sled_report(self.sled_id, "inventory"), self.inventory(), source=SOURCE
+            self.nc, subjects.sled_report(self.sled_id, "inventory"), self.inventory(), source=SOURCE
         )
 
     def _spawn(self, coro: Any) -> None:
