@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -318,6 +319,26 @@ async def test_a_simulator_restart_is_not_a_sled_reboot(rack: MakeRack) -> None:
     )
     await usage_is(client, {"vcpus": 6, "ram_bytes": 6 * GiB, "disk_bytes": 6 * GiB}, silo)
     await assert_invariants(db)
+
+
+async def test_a_simulator_restart_right_after_a_rack_reboot_keeps_the_new_boots(rack: MakeRack) -> None:
+    """A rack-wide reboot writes every sled's new boot in one file (the sleds' own files follow with their
+    next change): a simulator restarted before any sled changed again still has the new boots."""
+    stack, client, _ = await rack(RACKPLANE_SLEDS="3")
+    await client.sim_rack_reboot()
+    rebooted = {s["sled_id"]: (s["boot_number"], s["boot_id"]) for s in await client.sim_sled("list")}
+    assert {n for n, _ in rebooted.values()} == {2}
+    on_disk = {
+        p.stem: json.loads(p.read_text())["boot_number"] for p in (stack.dir / "sim").glob("sled-*.json")
+    }
+    assert on_disk == dict.fromkeys(rebooted, 1), "the sleds' own files wait for their next change"
+
+    stack.services["sled_agent"].kill()
+    stack.start_service("sled_agent")
+    stack.wait_ready(("sled_agent",))
+    again = await client.sim_sled("list")
+    assert {s["sled_id"]: (s["boot_number"], s["boot_id"]) for s in again} == rebooted
+    assert all([b["number"] for b in s["boots"]] == [1, 2] for s in again), again
 
 
 async def test_the_api_calls_a_rebooted_sleds_instances_failed_before_recovery_records_it(

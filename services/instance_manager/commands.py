@@ -165,7 +165,7 @@ class Commands:
 
     async def _await_saga(self, saga_id: uuid.UUID, instance_id: uuid.UUID, verb: str) -> dict[str, Any]:
         """Answer once the saga ends (or after SAGA_REPLY_WAIT, with the instance as it is by then)."""
-        task = self.app.sagas.launch(saga_id)
+        task = self.app.sagas.launch(saga_id, waited_for=True)
         try:
             status = await asyncio.wait_for(asyncio.shield(task), SAGA_REPLY_WAIT)
         except TimeoutError:

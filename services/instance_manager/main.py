@@ -15,7 +15,7 @@ from services.instance_manager.migrate_saga import MIGRATE
 from services.instance_manager.pools import Keeper, Pools
 from services.instance_manager.prune import Pruner
 from services.instance_manager.start_saga import START
-from shared import bus, subjects
+from shared import bus, db, subjects
 from shared.config import Settings
 from shared.messages import ProvisionOutcome, SledInventory, VmmReport
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
@@ -26,8 +26,9 @@ SCHEMA = "instance_manager"
 
 async def build(settings: Settings) -> App:
     pool = await open_database(settings, SCHEMA)
+    saga_pool = await db.create_pool(settings.database_url, SCHEMA)
     nc, js = await connect_bus(settings, SOURCE)
-    app = App(pool, nc, js, settings.database_url)
+    app = App(pool, nc, js, settings.database_url, saga_pool)
     app.sagas.register(CREATE)
     app.sagas.register(START)
     app.sagas.register(MIGRATE)

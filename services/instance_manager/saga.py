@@ -14,6 +14,10 @@ Guarantees:
 - A remote step's effect may be there already when it runs again (a crash came after its action and
   before the commit of its progress, or an ack was lost): it must then succeed, and never unwind what
   it did.
+- At most `AT_ONCE` sagas that nobody waits for (restarts, a pool keeper's, resumed ones) run at a time in
+  a process, the rest wait their turn before their second step; a user's command never waits behind
+  them. A begun saga is a promise to its instance, better kept in turn than all of them late
+  (docs/architecture.md, "Sagas take turns"). Saga steps have connections of their own.
 - After a crash, `resume` picks up every unfinished saga. A saga runs in one process at a time: its
   runner holds a session advisory lock on a dedicated connection, released at once if the process dies.
 """
@@ -37,6 +41,10 @@ from shared.db import queries
 
 log = logging.getLogger(__name__)
 SQL = queries(Path(__file__).with_name("saga.sql"))
+AT_ONCE = 256
+"""Sagas nobody waits for that run at once in one process. A start spends most of its time waiting (its
+charge goes through accounting and back), so sagas done a second is about AT_ONCE over one saga's time:
+64 held the restarts after a rack-wide power loss to 22 a second where fresh starts ran at 39."""
 
 
 class StepFailed(Exception):
@@ -96,13 +104,14 @@ class Executor:
     _running: dict[uuid.UUID, asyncio.Task[str]] = field(default_factory=dict)
     _lock_conn: asyncpg.Connection | None = None
     _lock_guard: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _turns: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AT_ONCE))
 
     def register(self, saga: Saga) -> None:
         self.kinds[saga.kind] = saga
 
     @property
     def pool(self) -> asyncpg.Pool:
-        return self.app.pool
+        return self.app.saga_pool or self.app.pool
 
     async def begin(self, conn: asyncpg.Connection, saga: Saga, params: dict[str, Any]) -> uuid.UUID:
         """Run the first step in the caller's transaction and record the saga; `launch` it after commit."""
@@ -121,11 +130,12 @@ class Executor:
         )
         return saga_id
 
-    def launch(self, saga_id: uuid.UUID) -> asyncio.Task[str]:
-        """Run (or resume) a saga in the background; the task's result is its final status."""
+    def launch(self, saga_id: uuid.UUID, *, waited_for: bool = False) -> asyncio.Task[str]:
+        """Run (or resume) a saga in the background; the task's result is its final status. A saga a
+        caller is waiting for (a user's command) runs at once; the others take turns."""
         task = self._running.get(saga_id)
         if task is None:
-            task = asyncio.create_task(self._run(saga_id))
+            task = asyncio.create_task(self._run_now(saga_id) if waited_for else self._run(saga_id))
             self._running[saga_id] = task
             task.add_done_callback(lambda _: self._running.pop(saga_id, None))
         return task
@@ -178,6 +188,10 @@ class Executor:
                 raise
 
     async def _run(self, saga_id: uuid.UUID) -> str:
+        async with self._turns:
+            return await self._run_now(saga_id)
+
+    async def _run_now(self, saga_id: uuid.UUID) -> str:
         while True:
             try:
                 if await self._lock(saga_id, take=True):

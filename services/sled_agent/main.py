@@ -12,7 +12,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from services.sled_agent import identity
-from services.sled_agent.sled import SOURCE, Sled, Timing
+from services.sled_agent.sled import SOURCE, Sled, Timing, rack_boots, read_rack_boots
 from shared import bus, subjects
 from shared.config import Settings
 from shared.messages import (
@@ -62,8 +62,10 @@ class Simulator:
         """Sleds kept from an earlier run come back as they were; otherwise RACKPLANE_SLEDS new ones."""
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+            rack_boot = read_rack_boots(self.state_dir)
             for path in sorted(self.state_dir.glob("sled-*.json")):
-                sled = Sled.load(path, await identity.connect(self.settings, path.stem), self.timing)
+                nc = await identity.connect(self.settings, path.stem)
+                sled = Sled.load(path, nc, self.timing, rack_boot.get(path.stem))
                 self.sleds[sled.sled_id] = sled
         if self.sleds:
             log.info("resumed %d sleds from %s", len(self.sleds), self.state_dir)
@@ -186,7 +188,8 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
     async def rack_reboot(body: SimRackReboot, msg: Msg) -> dict[str, Any]:
         sleds = list(sim.sleds.values())
         for sled in sleds:
-            sled.reboot()
+            sled.reboot(durable=False)
+        rack_boots(sim.state_dir, sleds)  # one write for the rack, before any sled is announced
         await asyncio.gather(*(announce(sled) for sled in sleds))
         return {"rebooted": len(sleds)}
 

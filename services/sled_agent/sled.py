@@ -19,7 +19,9 @@ boot began, which the invariant checker holds the control plane's failures again
 in batches (one write covers every change of the last few milliseconds, as a database's group commit
 does), and a report leaves only once the state it reports is on disk: a sled never reports what a restart
 would make it forget. A reboot is something else: a new boot, and every VMM gone, without a word about
-them (a real sled does not report what it lost).
+them (a real sled does not report what it lost). A rack-wide reboot writes every sled's new boot in one
+file (`rack_boots`), not 5,000: each sled's own file catches up with its next change, and loading takes
+the newer boot of the two.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ SEQ_BLOCK = 10_000
 """Sequence numbers are reserved on disk a block at a time, so that a restarted simulator never reuses one
 within a boot without writing its state for every message."""
 REMEMBERED_BOOTS = 100
+RACK_BOOTS = "rack-boots.json"
+"""The new boot of every sled of the last rack-wide reboot, beside the sleds' own files."""
 
 
 @dataclass
@@ -259,8 +263,9 @@ class Sled:
 
     # --- what the simulator's operator does to a sled ---
 
-    def reboot(self) -> None:
-        """Every VMM is lost; the sled comes back with a new boot id and nothing running."""
+    def reboot(self, durable: bool = True) -> None:
+        """Every VMM is lost; the sled comes back with a new boot id and nothing running. Written at once,
+        for it is announced at once; `durable=False` leaves that to the caller (`rack_boots`)."""
         lost = len(self.vmms)
         self.boot_id = uuid.uuid4()
         self.boot_number += 1
@@ -269,7 +274,10 @@ class Sled:
         for vmm_id in list(self.vmms):
             self._forget(vmm_id)
         self.vmms.clear()
-        self._save(now=True)  # announced at once (its inventory): it must survive a simulator restart
+        if durable:
+            self._save(now=True)  # announced at once (its inventory): it must survive a simulator restart
+        else:
+            self._changes += 1  # on disk with the sled's next change; rack_boots holds it meanwhile
         telemetry.count("sled.reboots")
         log.info(
             "%s rebooted (boot %d, id %s): %d VMMs lost", self.sled_id, self.boot_number, self.boot_id, lost
@@ -449,9 +457,27 @@ class Sled:
         self._saved = change
         self._on_disk.set()
 
+    def boot_record(self) -> dict[str, Any]:
+        return {**self.boots[-1], "seq_reserved": self.seq_reserved}
+
     @classmethod
-    def load(cls, path: Path, nc: NATS, timing: Timing) -> Sled:
+    def load(cls, path: Path, nc: NATS, timing: Timing, rack_boot: dict[str, Any] | None = None) -> Sled:
+        """The sled as its file left it, or, if the last rack-wide reboot (`rack_boot`, from rack_boots)
+        came after that file was written, as that reboot left it."""
         state = json.loads(path.read_text())
+        if rack_boot is not None and rack_boot["number"] > state.get("boot_number", 1):
+            ended = [v["vmm_id"] for v in state["vmms"]]
+            state |= {
+                "boot_id": rack_boot["boot_id"],
+                "boot_number": rack_boot["number"],
+                "seq_reserved": rack_boot["seq_reserved"],
+                "boots": [
+                    *state.get("boots", []),
+                    {k: rack_boot[k] for k in ("number", "boot_id", "started_at")},
+                ][-REMEMBERED_BOOTS:],
+                "vmms": [],
+                "ended": [*state["ended"], *ended],
+            }
         sled = cls(state["sled_id"], state["vcpus"], state["ram_bytes"], nc, timing, path.parent)
         sled.boot_id = uuid.UUID(state["boot_id"])
         sled.boot_number = state.get("boot_number", 1)
@@ -497,3 +523,19 @@ class Sled:
             "vmms": len(self.vmms),
             "faults": self.faults.model_dump(mode="json") if self.faults else None,
         }
+
+
+def rack_boots(state_dir: Path | None, sleds: list[Sled]) -> None:
+    """Write the new boot of every sled of a rack-wide reboot, in one file (each sled's own file follows
+    with its next change): a simulator restarted in between still knows every sled rebooted."""
+    if state_dir is None:
+        return
+    path = state_dir / RACK_BOOTS
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({s.sled_id: s.boot_record() for s in sleds}))
+    os.replace(tmp, path)
+
+
+def read_rack_boots(state_dir: Path) -> dict[str, dict[str, Any]]:
+    path = state_dir / RACK_BOOTS
+    return json.loads(path.read_text()) if path.exists() else {}

@@ -42,7 +42,7 @@ async def run(seed: int, duration: float, old: Path | None = None, beside: tuple
 
 
 async def test_a_short_fixed_seed_chaos_run_keeps_every_invariant() -> None:
-    await run(seed=20261202, duration=40)
+    await run(seed=20261202, duration=30)
 
 
 async def test_a_short_chaos_run_with_services_of_the_release_before_v2_beside_todays() -> None:
@@ -50,7 +50,7 @@ async def test_a_short_chaos_run_with_services_of_the_release_before_v2_beside_t
     recovery (reading both), one of each at the release before v2: an instance-manager that sends v1
     alone, a recovery that reads v1 alone. Every invariant holds."""
     with release.checkout() as old:
-        await run(seed=20261204, duration=45, old=old, beside=("instance_manager", "recovery"))
+        await run(seed=20261204, duration=35, old=old, beside=("instance_manager", "recovery"))
 
 
 @pytest.mark.chaos
