@@ -42,8 +42,8 @@ class App:
     nc: NATS
     js: JetStreamContext
     dsn: str
-    saga_pool: asyncpg.Pool | None = None
-    """The sagas' own connections (None: the main pool's). Hundreds of sagas under way (a rack's worth of
+    saga_pool: asyncpg.Pool
+    """The sagas' own connections. Hundreds of sagas under way (a rack's worth of
     restarts) would otherwise queue the inventories and reports that tell the truth behind their steps."""
     relay: OutboxRelay = field(init=False)
     sagas: Executor = field(init=False)

@@ -111,7 +111,7 @@ class Executor:
 
     @property
     def pool(self) -> asyncpg.Pool:
-        return self.app.saga_pool or self.app.pool
+        return self.app.saga_pool
 
     async def begin(self, conn: asyncpg.Connection, saga: Saga, params: dict[str, Any]) -> uuid.UUID:
         """Run the first step in the caller's transaction and record the saga; `launch` it after commit."""

@@ -450,10 +450,7 @@ class Sled:
             ],
             "ended": [str(v) for v in self.ended],
         }
-        path = self.state_dir / f"{self.sled_id}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
+        _replace(self.state_dir / f"{self.sled_id}.json", state)
         self._saved = change
         self._on_disk.set()
 
@@ -530,12 +527,16 @@ def rack_boots(state_dir: Path | None, sleds: list[Sled]) -> None:
     with its next change): a simulator restarted in between still knows every sled rebooted."""
     if state_dir is None:
         return
-    path = state_dir / RACK_BOOTS
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({s.sled_id: s.boot_record() for s in sleds}))
-    os.replace(tmp, path)
+    _replace(state_dir / RACK_BOOTS, {s.sled_id: s.boot_record() for s in sleds})
 
 
 def read_rack_boots(state_dir: Path) -> dict[str, dict[str, Any]]:
     path = state_dir / RACK_BOOTS
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _replace(path: Path, state: dict[str, Any]) -> None:
+    """Write `state` as the whole of `path`, or not at all (a crash mid-write leaves the old file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
