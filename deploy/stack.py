@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import pwd
+import random
 import secrets
 import shutil
 import signal
@@ -55,9 +56,23 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, below the kernel's ephemeral range: a port the kernel handed out would
+    be free only until it hands it out again, as the source port of any outgoing connection (the suite's
+    hundreds of processes open many), between this check and the listener's bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low // 2), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port found below {low}")
 
 
 def port_open(port: int) -> bool:

@@ -84,6 +84,17 @@ async def test_old_rows_go_and_what_the_fences_need_stays() -> None:
             await client.instance("start", silo, proj, "runs")
             runs = await wait_state(client, silo, proj, "runs", "running")
 
+            # Every charge's outcome is in (the delete's release answers after the reply), so that the
+            # snapshot below holds each instance's latest.
+            async def settled() -> bool:
+                return not await admin.fetchval(
+                    "SELECT count(*) FROM instance_manager.pending_charges "
+                    "WHERE instance_id = ANY($1::uuid[])",
+                    list(ids.values()),
+                )
+
+            await eventually(settled, timeout=15)
+
             # An unfinished saga about "held" that names its first (ended) VMM, run by nobody: this test
             # holds the saga's lock, so the service passes it over.
             before = {n: await rows(admin, i) for n, i in ids.items()}
