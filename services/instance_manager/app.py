@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 SOURCE = "instance-manager"
 CHARGE_RESEND_MAX = 30.0
 """The longest a charge waits between two sends of its delta."""
+OUTCOME_CHANNEL = "charge_outcome"
+"""PostgreSQL's notification channel for recorded outcomes (queries.sql outcomes_insert)."""
 Q = queries(Path(__file__).parent / "queries.sql")
 
 
@@ -152,6 +154,41 @@ class App:
         self.relay.kick()
 
     # --- charging, as a saga step ---
+
+    async def hear_outcomes(self) -> None:
+        """Wake the charges waiting here for an outcome another replica recorded: outcomes_insert notifies
+        `charge_outcome` on commit. While the listening connection is down, waiters fall back to their
+        resend timer; each (re)connection wakes them all to read their outcome again."""
+        retry = 0.2
+        while True:
+            try:
+                conn = await asyncpg.connect(self.dsn)
+            except (OSError, asyncpg.PostgresError) as e:
+                log.info("cannot listen for charge outcomes yet: %s", e)
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, 5.0)
+                continue
+            retry = 0.2
+            try:
+                await self._listen(conn)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.info("stopped listening for charge outcomes: %s", e)
+            finally:
+                conn.terminate()
+
+    async def _listen(self, conn: asyncpg.Connection) -> None:
+        """Listen on `conn` until it is lost."""
+        lost = asyncio.Event()
+        conn.add_termination_listener(lambda _: lost.set())
+        await conn.add_listener(OUTCOME_CHANNEL, self._outcome_heard)
+        for event in self._waiters.values():
+            event.set()
+        await lost.wait()
+
+    def _outcome_heard(self, conn: object, pid: int, channel: str, payload: str) -> None:
+        instance_id, _, generation = payload.partition(":")
+        if (event := self._waiters.get((uuid.UUID(instance_id), int(generation)))) is not None:
+            event.set()
 
     async def charge(self, silo: str, project: str, delta: ProvisionDelta) -> tuple[str, str]:
         """Send a charge to accounting and wait for its outcome. Idempotent: safe to call again.

@@ -87,6 +87,7 @@ async def main(settings: Settings) -> None:
     app.listening_since = time.monotonic()  # the consumers start now
     await run_forever(
         app.relay.run(),
+        app.hear_outcomes(),
         app.sagas.resume_forever(),
         keeper.run(),
         pruner.run(),

@@ -290,9 +290,15 @@ WHERE $1::text IS NULL OR s.id > $1
 ORDER BY s.id LIMIT $2 + 1;
 
 -- name: outcomes_insert
-INSERT INTO charge_outcomes (instance_id, generation, outcome, reason)
-SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::text[])
-ON CONFLICT DO NOTHING;
+-- Record the outcomes, and tell every replica once they are committed (App.hear_outcomes): the charge
+-- waiting for one may be running in a replica other than the one whose consumer read it.
+WITH recorded AS (
+    INSERT INTO charge_outcomes (instance_id, generation, outcome, reason)
+    SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::text[])
+    ON CONFLICT DO NOTHING
+    RETURNING instance_id, generation
+)
+SELECT pg_notify('charge_outcome', instance_id::text || ':' || generation) FROM recorded;
 
 -- name: outcomes_known
 -- Which of the charges ($1, $2) have an outcome recorded.

@@ -5,7 +5,7 @@ database.
 
     make bench        (or: .venv/bin/pytest -m bench -s tests/bench/test_start_bench.py)
 Environment: BENCH_STARTS (300, the size the issue measured; at 1,000 the rack does not settle today:
-docs/benchmarks.md says why), BENCH_CALLERS (32).
+docs/benchmarks.md says why), BENCH_CALLERS (32), BENCH_IM_REPLICAS (1: instance-manager processes).
 
 A start's reply comes once its saga has taken the interlock, charged the instance (accounting's outcome
 included), placed it and asked its sled; then the instance runs when the sled reports. Both are timed.
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.bench
 
 STARTS = int(os.environ.get("BENCH_STARTS", "300"))
 CALLERS = int(os.environ.get("BENCH_CALLERS", "32"))
+REPLICAS = int(os.environ.get("BENCH_IM_REPLICAS", "1"))
 
 
 @pytest.fixture
@@ -40,6 +41,8 @@ async def rack() -> AsyncIterator[Rack]:
         "RACKPLANE_TRACES": "none",
     }
     async with private_rack("startbench", timeout=120, **env) as made:
+        for k in range(2, REPLICAS + 1):
+            made[0].start_service("instance_manager", replica=f"instance-manager-{k}")
         yield made
 
 
