@@ -27,6 +27,7 @@ from deploy.stack import ROOT, Stack
 from services.recovery.reconcile import RECONCILERS
 from shared.db import queries as db_queries
 from shared.messages import AutoRestart, Quota
+from tests.bench.processes import memory
 from tests.conftest import GiB, private_rack
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(4 * 3600)]
@@ -169,36 +170,6 @@ def reconcile_pass_seconds(stack: Stack, reconciler: str) -> tuple[float, int]:
     return total("rackplane_reconcile_pass_duration_seconds_sum"), int(
         total("rackplane_reconcile_pass_duration_seconds_count")
     )
-
-
-def pss_mib(pid: int) -> float:
-    """The process's proportional set size: its own memory, plus its share of what it shares (PostgreSQL's
-    shared buffers are counted once over all its processes, not once per backend as RSS would)."""
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def memory(stack: Stack) -> dict[str, float]:
-    """Memory of each process (PSS), MiB (PostgreSQL: the postmaster and all its backends)."""
-    out = {name: pss_mib(svc.proc.pid) for name, svc in stack.services.items() if svc.proc}
-    if stack.nats and stack.nats.proc:
-        out["nats-server"] = pss_mib(stack.nats.proc.pid)
-    if stack.postgres:
-        master = int((stack.postgres.data / "postmaster.pid").read_text().split()[0])
-        pids = [master] + [
-            int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == master
-        ]
-        out["postgres"] = sum(pss_mib(pid) for pid in pids)
-    return out
-
-
-def _parent(proc: Path) -> int | None:
-    try:
-        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def plot(samples: Samples, truthful: float, back: float, fresh: float) -> None:
