@@ -23,6 +23,13 @@ or -1 as "the default", not "unlimited"), and the sleds' command stream holds a 
 each sled: past 1,000 sleds the rest could not read their orders (`maximum consumers limit reached`)."""
 
 
+TTL_STREAMS = {subjects.SLED_REPORT_STREAM}
+"""Streams whose messages may say how long they are kept (`Nats-TTL`): a sled's inventory is superseded by
+its next, and kept for `inventory_ttl()` rather than the stream's week (at 5,000 sleds every 5 s, a week
+of inventories is some 600 million messages); VMM reports beside them are kept as long as the stream
+keeps anything. An existing stream is updated to allow them; a stream cannot be set back."""
+
+
 def configs(window: float | None = None) -> list[api.StreamConfig]:
     """Every stream; `window` is the duplicate window (RACKPLANE_DUPLICATE_WINDOW when not given)."""
     window = duplicate_window() if window is None else window
@@ -35,6 +42,7 @@ def configs(window: float | None = None) -> list[api.StreamConfig]:
             duplicate_window=window,
             max_age=MAX_AGE_S,
             max_consumers=MAX_CONSUMERS,
+            allow_msg_ttl=name in TTL_STREAMS,
             subject_transform=(
                 api.SubjectTransform(src=t[0], dest=t[1]) if (t := subjects.TRANSFORMS.get(name)) else None
             ),

@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import ssl
 import uuid
 import weakref
@@ -57,6 +58,8 @@ from shared.messages import BadMessage, Envelope, Model, Reply, decode, encode, 
 log = logging.getLogger(__name__)
 
 MSG_ID = "Nats-Msg-Id"
+TTL_HEADER = "Nats-TTL"
+"""How long a stream that allows per-message TTLs keeps this message (`post`'s `ttl`)."""
 T = TypeVar("T")
 
 
@@ -262,17 +265,21 @@ async def publish(
         return await js.publish(subject, encode(env), headers=headers_for(env))
 
 
-async def post(nc: NATS, subject: str, body: Model, *, source: str) -> None:
+async def post(nc: NATS, subject: str, body: Model, *, source: str, ttl: float | None = None) -> None:
     """Into JetStream without waiting for its ack: for state that the next message of its kind supersedes
     (a sled's inventory), where a lost one costs nothing and a wait costs a future, a timer and a parsed
-    ack per message (a third of a rack simulator's time). Under fault injection it goes as `publish`
+    ack per message (a third of a rack simulator's time). `ttl`: seconds the stream keeps it (its
+    `Nats-TTL`; the stream must allow per-message TTLs). Under fault injection it goes as `publish`
     does, so that the faults apply."""
-    if FAULTS.active:
-        await publish(nc.jetstream(), subject, body, source=source)
-        return
     env = envelope(body, source)
+    headers = headers_for(env)
+    if ttl is not None:
+        headers[TTL_HEADER] = f"{max(1, math.ceil(ttl))}s"
     with _sending(subject, env):
-        await nc.publish(subject, encode(env), headers=headers_for(env))
+        if FAULTS.active:
+            await FAULTS.publish(nc.jetstream(), subject, encode(env), headers)
+        else:
+            await nc.publish(subject, encode(env), headers=headers)
 
 
 class PublishFailed(Exception):

@@ -271,6 +271,13 @@ class Settings(BaseSettings):
         2.0,
         "how often instance-manager looks for unfinished sagas no process runs",
     )
+    inventory_ttl: Duration | None = _var(
+        "RACKPLANE_INVENTORY_TTL",
+        None,
+        "how long the broker keeps a sled's inventory (each is superseded by the sled's next one; a "
+        "reader away longer reads the newest that are left)",
+        shown="10 times the inventory interval, at least 60 s",
+    )
     sled_unknown_after: Duration | None = _var(
         "RACKPLANE_SLED_UNKNOWN_AFTER",
         None,
@@ -363,6 +370,11 @@ def restart_backoff_max() -> float:
 
 def zombie_grace() -> float:
     return settings().zombie_grace
+
+
+def inventory_ttl() -> float:
+    s = settings()
+    return s.inventory_ttl or max(60.0, 10 * s.inventory_interval)
 
 
 def sled_unknown_after() -> float:

@@ -21,7 +21,7 @@ import pytest
 from deploy.stack import Nats, free_port
 from deploy.streams import ensure_streams
 from shared import bus, subjects
-from shared.messages import ProvisionDelta
+from shared.messages import ProvisionDelta, SledInventory, VmmReport
 from tests.conftest import eventually
 
 SILO_ID, PROJECT_ID = uuid.uuid4(), uuid.uuid4()
@@ -103,6 +103,31 @@ async def test_every_stream_can_hold_a_consumer_for_each_sled_of_a_full_rack(js:
     sleds' command stream holds one durable consumer a sled: a rack of 5,000 needs more."""
     for name in subjects.STREAMS:
         assert (await js.stream_info(name)).config.max_consumers >= 5000, name
+
+
+async def test_an_inventory_is_kept_for_its_ttl_and_a_vmm_report_beside_it_stays(js: Any) -> None:
+    """Inventories are posted with a TTL (services/sled_agent: `inventory_ttl()`), which the sleds' report
+    stream honours: the week that VMM reports are kept would be some 600 million inventories at 5,000
+    sleds every 5 s, each superseded by the next."""
+    assert (await js.stream_info(subjects.SLED_REPORT_STREAM)).config.allow_msg_ttl
+    boot = uuid.uuid4()
+    inventory = SledInventory(
+        sled_id="sled-0", boot_id=boot, boot_number=1, seq=1, vcpus=8, ram_bytes=2**34, vmms=[]
+    )
+    report = VmmReport(
+        sled_id="sled-0", boot_id=boot, boot_number=1, seq=2, vmm_id=uuid.uuid4(),
+        instance_id=uuid.uuid4(), state="running", generation=1,
+    )  # fmt: skip
+    await bus.post(js._nc, subjects.sled_report("sled-0", "inventory"), inventory, source="test", ttl=1)
+    await bus.publish(js, subjects.sled_report("sled-0", "vmm"), report, source="test")
+
+    async def held(n: int) -> bool:
+        return (await js.stream_info(subjects.SLED_REPORT_STREAM)).state.messages == n
+
+    await eventually(lambda: held(2), timeout=5)
+    await eventually(lambda: held(1), timeout=10)  # the inventory went; the report stays
+    kept = await js.get_last_msg(subjects.SLED_REPORT_STREAM, subjects.sled_report("sled-0", "vmm"))
+    assert kept.headers and bus.TTL_HEADER not in kept.headers
 
 
 def test_message_ids_are_the_uuid5_of_their_keys() -> None:

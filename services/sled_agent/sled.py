@@ -42,6 +42,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from shared import bus, subjects, telemetry
+from shared.config import inventory_ttl
 from shared.messages import (
     InventoryVmm,
     SimFaults,
@@ -395,7 +396,11 @@ class Sled:
         if not self.reachable:
             return
         await bus.post(
-            self.nc, subjects.sled_report(self.sled_id, "inventory"), self.inventory(), source=SOURCE
+            self.nc,
+            subjects.sled_report(self.sled_id, "inventory"),
+            self.inventory(),
+            source=SOURCE,
+            ttl=inventory_ttl(),
         )
 
     def _spawn(self, coro: Any) -> None:
