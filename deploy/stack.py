@@ -460,11 +460,15 @@ class Stack:
         return f"http://127.0.0.1:{self.http_ports[key]}{path}"
 
     def start(self, wait: bool = True) -> Stack:
-        self.start_infra()
-        for name in SERVICES:
-            self.start_service(name)
-        if wait:
-            self.wait_ready()
+        try:
+            self.start_infra()
+            for name in SERVICES:
+                self.start_service(name)
+            if wait:
+                self.wait_ready()
+        except BaseException:
+            self.stop()  # a stack that did not come up leaves nothing running behind it
+            raise
         return self
 
     def wait_ready(self, names: tuple[str, ...] = SERVICES, timeout: float = 30) -> None:

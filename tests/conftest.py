@@ -12,7 +12,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +56,22 @@ async def private_rack(name: str, *, timeout: float = 15.0, **env: str) -> Async
     """A stack of its own (and a client and a database pool on it), for tests that reboot, kill, inject
     faults or restart the broker or the database; it waits until every simulated sled has registered."""
     stack = make_stack(name, **env)
-    stack.start()
-    client = await Client.connect(stack.nats_url, timeout=timeout)
-    db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
-    try:
+    async with AsyncExitStack() as undo:  # whatever came up goes, however the test ends
+        undo.callback(_remove, stack)
+        stack.start()
+        undo.callback(stack.stop)
+        client = await Client.connect(stack.nats_url, timeout=timeout)
+        undo.push_async_callback(client.close)
+        db = await asyncpg.create_pool(stack.database_url, min_size=1, max_size=4)
+        undo.push_async_callback(db.close)
         sleds = int(env.get("RACKPLANE_SLEDS", "8"))
         await eventually(lambda: sleds_known(client, sleds), timeout=20 + sleds / 50)  # each connects
         yield stack, client, db
-    finally:
-        await db.close()
-        await client.close()
-        stack.stop()
-        if os.environ.get("RACKPLANE_KEEP_LOGS") is None:
-            shutil.rmtree(stack.dir, ignore_errors=True)
+
+
+def _remove(stack: Stack) -> None:
+    if os.environ.get("RACKPLANE_KEEP_LOGS") is None:
+        shutil.rmtree(stack.dir, ignore_errors=True)
 
 
 async def sleds_known(client: Client, n: int) -> bool:

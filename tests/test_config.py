@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import ConfigError, Settings, table
+from tests.conftest import make_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,3 +90,18 @@ def test_a_bad_value_stops_a_service_before_it_connects() -> None:
         "sled-agent: RACKPLANE_SLEDS='many': input should be a valid integer, unable to parse string as an "
         "integer"
     ]
+
+
+def test_a_stack_whose_service_refuses_its_settings_leaves_nothing_running() -> None:
+    """The stack stops what it started when one part does not come up (here the services, on a bad
+    value): a failed start must not leave a broker, a database and services behind, using the machine."""
+    stack = make_stack("refused", RACKPLANE_VMM_START_DELAY="soon")
+    try:
+        with pytest.raises((RuntimeError, TimeoutError), match="RACKPLANE_VMM_START_DELAY"):
+            stack.start()
+        assert not [key for key, svc in stack.services.items() if svc.alive]
+        assert stack.nats is not None and stack.nats.proc is None
+        assert stack.postgres is not None and not (stack.postgres.data / "postmaster.pid").exists()
+    finally:
+        stack.stop()
+        shutil.rmtree(stack.dir, ignore_errors=True)

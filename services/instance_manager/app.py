@@ -39,6 +39,15 @@ Q = queries(Path(__file__).parent / "queries.sql")
 
 
 @dataclass
+class Waiter:
+    """A charge waiting for its outcome: woken when one is recorded (here or by another replica); given
+    the outcome itself when this process recorded it, so that it need not read it back."""
+
+    heard: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: tuple[str, str] | None = None
+
+
+@dataclass
 class App:
     pool: asyncpg.Pool
     nc: NATS
@@ -57,7 +66,7 @@ class App:
     send_v1: bool = field(default_factory=event_v1)
     """Whether instance events go out as v1 too (RACKPLANE_EVENT_V1): read once, so a bad value stops the
     process at start."""
-    _waiters: dict[tuple[uuid.UUID, int], asyncio.Event] = field(default_factory=dict)
+    _waiters: dict[tuple[uuid.UUID, int], Waiter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.relay = OutboxRelay(self.pool, self.nc, self.js)
@@ -181,14 +190,14 @@ class App:
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _: lost.set())
         await conn.add_listener(OUTCOME_CHANNEL, self._outcome_heard)
-        for event in self._waiters.values():
-            event.set()
+        for waiter in self._waiters.values():
+            waiter.heard.set()
         await lost.wait()
 
     def _outcome_heard(self, conn: object, pid: int, channel: str, payload: str) -> None:
         instance_id, _, generation = payload.partition(":")
-        if (event := self._waiters.get((uuid.UUID(instance_id), int(generation)))) is not None:
-            event.set()
+        if (waiter := self._waiters.get((uuid.UUID(instance_id), int(generation)))) is not None:
+            waiter.heard.set()
 
     async def charge(self, silo: str, project: str, delta: ProvisionDelta) -> tuple[str, str]:
         """Send a charge to accounting and wait for its outcome. Idempotent: safe to call again.
@@ -198,10 +207,12 @@ class App:
         comes back on the durable event stream and is recorded in charge_outcomes.
         """
         key = (delta.instance_id, delta.generation)
-        event = self._waiters.setdefault(key, asyncio.Event())
+        waiter = self._waiters.setdefault(key, Waiter())
         wait = self.charge_timeout
         try:
             while True:
+                if waiter.outcome is not None:
+                    return waiter.outcome
                 row = await self.pool.fetchrow(Q["outcome_get"], *key)
                 if row is not None:
                     return row["outcome"], row["reason"]
@@ -219,7 +230,8 @@ class App:
                     log.info("charge for %s not sent yet: %s", delta.instance_id, e)
                     stored = False
                 try:
-                    await asyncio.wait_for(event.wait(), wait)
+                    await asyncio.wait_for(waiter.heard.wait(), wait)
+                    waiter.heard.clear()
                 except TimeoutError:
                     telemetry.count("charge.waits_timed_out")
                 # A stored delta is answered once accounting reads it (it may be down, or far behind after
@@ -262,8 +274,10 @@ class App:
                     outcomes[key].outcome.value,
                     *key,
                 )
-            elif (ev := self._waiters.get(key)) is not None:
-                ev.set()
+            elif (waiter := self._waiters.get(key)) is not None:
+                if key in answered:  # recorded by this transaction, from this very message
+                    waiter.outcome = (outcomes[key].outcome.value, outcomes[key].reason)
+                waiter.heard.set()
 
 
 def _delta(

@@ -55,8 +55,7 @@ async def interlock(ctx: Context) -> dict[str, Any]:
             raise bus.NotFound("instance not found")
         raise bus.Conflict(f"instance is {state}; it can be started once it is stopped")
     app: App = ctx.app
-    await app.instance_changed(ctx.tx, instance_id)
-    v = await app.view(ctx.tx, instance_id)
+    v = await app.instance_changed(ctx.tx, instance_id)
     return {
         "vmm_id": str(vmm_id),
         "generation": won["generation"],
