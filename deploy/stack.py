@@ -63,9 +63,13 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    if low < 8192:  # too few ports below the range to pick from: let the kernel pick, as before
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
     rng = random.SystemRandom()
     for _ in range(100):
-        port = rng.randrange(max(1024, low // 2), low)
+        port = rng.randrange(low // 2, low)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -148,7 +152,11 @@ class Nats:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_until(lambda: port_open(self.port), 15, "nats-server")
+        try:
+            wait_until(lambda: port_open(self.port), 15, "nats-server")
+        except BaseException:
+            self.stop(signal.SIGKILL)
+            raise
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -391,12 +399,13 @@ class Stack:
                 sleds = max(DEFAULT_SLEDS, 2 * int(self.env.get("RACKPLANE_SLEDS", "8")))
                 tls = self.env.get("RACKPLANE_TLS", "") not in ("", "0")
                 self.security = BrokerSecurity(self.dir, tls=tls, sleds=sleds)
-            self.nats = Nats(
+            self.nats = Nats(  # held before it starts, so that stop() finds it if the start fails
                 self.dir / "nats",
                 port=int(self.env.get("RACKPLANE_NATS_PORT", 0)) or free_port(),
                 conf=self.security.server_conf(),
                 scheme=self.security.scheme,
-            ).start()
+            )
+            self.nats.start()
             self.nats_url = self.nats.url
             run_sync(self.security.ensure_streams(self.nats_url, self.duplicate_window()))
         else:  # someone else's broker: the streams with whatever credential the environment gives
@@ -411,7 +420,8 @@ class Stack:
         if self.database_url is None:
             self.postgres = Postgres(
                 self.dir / "pg", port=int(self.env.get("RACKPLANE_PG_PORT", 0)) or free_port()
-            ).start()
+            )
+            self.postgres.start()
             self.admin_database_url = self.postgres.url
             self.service_database_urls = run_sync(
                 dbroles.provision(self.postgres.url, dbroles.secrets_dir(self.dir))

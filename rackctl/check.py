@@ -288,7 +288,8 @@ async def no_zombie_vmms(conn: asyncpg.Connection, js: JetStreamContext) -> list
     """At rest: every VMM a sled runs, by its latest inventory, has a live record on that sled. A record
     that ended after the inventory was made does not count against it (the inventory predates the end);
     expunged sleds are out of the rack and not checked. A VMM without a record in an inventory made before
-    the pruning horizon is not judged: its record may have ended after the inventory, and been pruned."""
+    the pruning horizon is not judged: its record may have ended after the inventory, and been pruned. A
+    sled silent for longer than RACKPLANE_INVENTORY_TTL has no inventory left in the stream to judge."""
     inventories, out = await _latest_inventories(js)
     horizon = await vmms_pruned_before(conn)
     expunged = {

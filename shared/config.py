@@ -329,6 +329,15 @@ class Settings(BaseSettings):
                 ) from e
         return self
 
+    @model_validator(mode="after")
+    def _inventories_outlive_their_interval(self) -> Settings:
+        if self.inventory_ttl is not None and self.inventory_ttl < self.inventory_interval:
+            raise ValueError(
+                f"RACKPLANE_INVENTORY_TTL='{self.inventory_ttl:g}': expected at least the inventory interval "
+                f"({self.inventory_interval:g}s), or a sled's inventory is gone before its next one comes"
+            )
+        return self
+
     @classmethod
     def from_env(cls) -> Settings:
         """The settings of this process's environment; a bad value raises `ConfigError` naming it."""

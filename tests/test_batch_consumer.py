@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.js.errors
 import pytest
 
 from deploy.stack import Nats, free_port
@@ -118,14 +119,24 @@ async def test_an_inventory_is_kept_for_its_ttl_and_a_vmm_report_beside_it_stays
         sled_id="sled-0", boot_id=boot, boot_number=1, seq=2, vmm_id=uuid.uuid4(),
         instance_id=uuid.uuid4(), state="running", generation=1,
     )  # fmt: skip
-    await bus.post(js._nc, subjects.sled_report("sled-0", "inventory"), inventory, source="test", ttl=1)
+    inventory_subject = subjects.sled_report("sled-0", "inventory")
+    await bus.post(js._nc, inventory_subject, inventory, source="test", ttl=2)
     await bus.publish(js, subjects.sled_report("sled-0", "vmm"), report, source="test")
 
-    async def held(n: int) -> bool:
-        return (await js.stream_info(subjects.SLED_REPORT_STREAM)).state.messages == n
+    async def stored() -> bool:
+        try:
+            return bool(await js.get_last_msg(subjects.SLED_REPORT_STREAM, inventory_subject))
+        except nats.js.errors.NotFoundError:
+            return False
 
-    await eventually(lambda: held(2), timeout=5)
-    await eventually(lambda: held(1), timeout=10)  # the inventory went; the report stays
+    await eventually(stored, timeout=5)
+    held = await js.get_last_msg(subjects.SLED_REPORT_STREAM, inventory_subject)
+    assert held.headers and held.headers[bus.TTL_HEADER] == "2s"
+
+    async def gone() -> bool:
+        return not await stored()
+
+    await eventually(gone, timeout=15)  # the inventory went; the report stays
     kept = await js.get_last_msg(subjects.SLED_REPORT_STREAM, subjects.sled_report("sled-0", "vmm"))
     assert kept.headers and bus.TTL_HEADER not in kept.headers
 

@@ -68,6 +68,7 @@ def test_defaults_and_values(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         ("RACKPLANE_LOG", "loud", "expected DEBUG, INFO"),
         ("RACKPLANE_TRACES", "jaeger", "expected none, console, otlp or file:PATH"),
         ("DATABASE_URL_FILE", "/nonexistent/db.url", "cannot read it"),
+        ("RACKPLANE_INVENTORY_TTL", "1", "expected at least the inventory interval"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_its_variable(

@@ -35,6 +35,8 @@ CHARGE_RESEND_MAX = 30.0
 """The longest a charge waits between two sends of its delta."""
 OUTCOME_CHANNEL = "charge_outcome"
 """PostgreSQL's notification channel for recorded outcomes (queries.sql outcomes_insert)."""
+LISTEN_CHECK_EVERY = 30.0
+"""Seconds between two checks that the connection listening for outcomes still answers."""
 Q = queries(Path(__file__).parent / "queries.sql")
 
 
@@ -170,29 +172,33 @@ class App:
         resend timer; each (re)connection wakes them all to read their outcome again."""
         retry = 0.2
         while True:
+            began = time.monotonic()
             try:
                 conn = await asyncpg.connect(self.dsn)
-            except (OSError, asyncpg.PostgresError) as e:
-                log.info("cannot listen for charge outcomes yet: %s", e)
-                await asyncio.sleep(retry)
-                retry = min(retry * 2, 5.0)
-                continue
-            retry = 0.2
-            try:
-                await self._listen(conn)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-                log.info("stopped listening for charge outcomes: %s", e)
-            finally:
-                conn.terminate()
+                try:
+                    await self._listen(conn)
+                finally:
+                    conn.terminate()
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                log.info("not listening for charge outcomes: %s", e)
+            if time.monotonic() - began > 30:
+                retry = 0.2  # it held for a while: this loss is news, not a connection that keeps failing
+            await asyncio.sleep(retry)
+            retry = min(retry * 2, 5.0)
 
     async def _listen(self, conn: asyncpg.Connection) -> None:
-        """Listen on `conn` until it is lost."""
+        """Listen on `conn` until it is lost, asking it something now and then: a connection whose peer
+        vanished without a word (half-open) would otherwise hear nothing, and say nothing, for ever."""
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _: lost.set())
         await conn.add_listener(OUTCOME_CHANNEL, self._outcome_heard)
         for waiter in self._waiters.values():
             waiter.heard.set()
-        await lost.wait()
+        while not lost.is_set():
+            try:
+                await asyncio.wait_for(lost.wait(), LISTEN_CHECK_EVERY)
+            except TimeoutError:
+                await asyncio.wait_for(conn.fetchval("SELECT 1"), LISTEN_CHECK_EVERY)
 
     def _outcome_heard(self, conn: object, pid: int, channel: str, payload: str) -> None:
         instance_id, _, generation = payload.partition(":")
@@ -211,11 +217,8 @@ class App:
         wait = self.charge_timeout
         try:
             while True:
-                if waiter.outcome is not None:
-                    return waiter.outcome
-                row = await self.pool.fetchrow(Q["outcome_get"], *key)
-                if row is not None:
-                    return row["outcome"], row["reason"]
+                if (known := await self._outcome(key, waiter)) is not None:
+                    return known
                 await self.pool.execute(Q["charges_pending"], [delta.instance_id], [delta.generation])
                 try:
                     await bus.publish(
@@ -229,16 +232,30 @@ class App:
                 except Exception as e:
                     log.info("charge for %s not sent yet: %s", delta.instance_id, e)
                     stored = False
-                try:
-                    await asyncio.wait_for(waiter.heard.wait(), wait)
+                # Sent again only when the timer runs out: a wake that brings no outcome (a listener
+                # reconnecting wakes every waiter) only reads again.
+                deadline = time.monotonic() + wait
+                while (left := deadline - time.monotonic()) > 0:
+                    try:
+                        await asyncio.wait_for(waiter.heard.wait(), left)
+                    except TimeoutError:
+                        break
                     waiter.heard.clear()
-                except TimeoutError:
-                    telemetry.count("charge.waits_timed_out")
+                    if (known := await self._outcome(key, waiter)) is not None:
+                        return known
+                telemetry.count("charge.waits_timed_out")
                 # A stored delta is answered once accounting reads it (it may be down, or far behind after
                 # an outage): sending it again then only adds load, so resends back off.
                 wait = min(wait * 2, CHARGE_RESEND_MAX) if stored else self.charge_timeout
         finally:
             self._waiters.pop(key, None)
+
+    async def _outcome(self, key: tuple[uuid.UUID, int], waiter: Waiter) -> tuple[str, str] | None:
+        """The charge's outcome, if recorded: handed to the waiter by this process, else read."""
+        if waiter.outcome is not None:
+            return waiter.outcome
+        row = await self.pool.fetchrow(Q["outcome_get"], *key)
+        return (row["outcome"], row["reason"]) if row is not None else None
 
     async def record_outcomes(self, batch: list[bus.Delivery]) -> None:
         """Record the outcomes of charges this service sent and has no answer for yet (pending_charges),
@@ -256,13 +273,16 @@ class App:
                 for r in await conn.fetch(Q["charges_answered"], ids, gens)
             }
             new = [outcomes[k] for k in keys if k in answered]
-            await conn.execute(
-                Q["outcomes_insert"],
-                [o.instance_id for o in new],
-                [o.generation for o in new],
-                [o.outcome.value for o in new],
-                [o.reason for o in new],
-            )
+            inserted = {
+                (r["instance_id"], r["generation"])
+                for r in await conn.fetch(
+                    Q["outcomes_insert"],
+                    [o.instance_id for o in new],
+                    [o.generation for o in new],
+                    [o.outcome.value for o in new],
+                    [o.reason for o in new],
+                )
+            }
             known = {
                 (r["instance_id"], r["generation"]) for r in await conn.fetch(Q["outcomes_known"], ids, gens)
             }
@@ -275,7 +295,7 @@ class App:
                     *key,
                 )
             elif (waiter := self._waiters.get(key)) is not None:
-                if key in answered:  # recorded by this transaction, from this very message
+                if key in inserted:  # recorded by this transaction, from this very message
                     waiter.outcome = (outcomes[key].outcome.value, outcomes[key].reason)
                 waiter.heard.set()
 

@@ -291,14 +291,16 @@ ORDER BY s.id LIMIT $2 + 1;
 
 -- name: outcomes_insert
 -- Record the outcomes, and tell every replica once they are committed (App.hear_outcomes): the charge
--- waiting for one may be running in a replica other than the one whose consumer read it.
+-- waiting for one may be running in a replica other than the one whose consumer read it. Returns the
+-- charges recorded (not those that had an outcome already).
 WITH recorded AS (
     INSERT INTO charge_outcomes (instance_id, generation, outcome, reason)
     SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::text[])
     ON CONFLICT DO NOTHING
     RETURNING instance_id, generation
 )
-SELECT pg_notify('charge_outcome', instance_id::text || ':' || generation) FROM recorded;
+SELECT instance_id, generation, pg_notify('charge_outcome', instance_id::text || ':' || generation)
+FROM recorded;
 
 -- name: outcomes_known
 -- Which of the charges ($1, $2) have an outcome recorded.
