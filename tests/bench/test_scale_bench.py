@@ -60,11 +60,13 @@ VIEW = (
     db_queries(ROOT / "services" / "instance_manager" / "queries.sql")["instance_view"].rstrip().rstrip(";")
 )
 COUNTS = f"""SELECT count(*) FILTER (WHERE state = 'running') AS running,
-       count(*) FILTER (WHERE state = 'running' AND vmm_boot_id::text = ANY($5::text[])) AS lost
+       count(*) FILTER (WHERE state = 'running' AND vmm_boot_id IN (SELECT unnest($5::uuid[]))) AS lost
 FROM ({VIEW}) AS view"""
 """What a reply says of each instance (`instance show`, `instance list`), counted: the same view instance-
 manager answers from, of all of them in one query (not N `show`s a poll, which would measure the poller),
-summed where it runs, so that a poll at 150,000 moves two numbers, not the rows."""
+summed where it runs, so that a poll at 150,000 moves two numbers, not the rows. The ended boots are a
+hashed set (`IN (SELECT ...)`), not an array scanned for every instance (`= ANY`): at 5,000 sleds that
+is 5,000 comparisons a running instance, a poll."""
 POLL_EVERY = max(1.0, INSTANCES / 30_000)
 """Seconds between polls outside the truth phase: a poll's cost grows with the instances (at 15,000,
 once a second took a third of a core), and should not take a share of the cores the phase measures."""
@@ -74,7 +76,7 @@ async def counts(db: asyncpg.Pool, ids: list[uuid.UUID], ended_boots: list[str])
     """(instances the API calls running, of which on a VMM of a boot that has ended)."""
     async with db.acquire() as conn, conn.transaction():
         await conn.execute("SET LOCAL search_path TO instance_manager")
-        row = await conn.fetchrow(COUNTS, ids, 15, 60, 600, ended_boots)
+        row = await conn.fetchrow(COUNTS, ids, 15, 60, 600, [uuid.UUID(b) for b in ended_boots])
     return row["running"], row["lost"]
 
 
