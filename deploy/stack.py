@@ -55,6 +55,24 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coro).result()
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process handed out: one not yet bound by its listener still looks free to the next check."""
+
+
+def _port_span(low: int) -> range:
+    """Where to pick ports: below the kernel's ephemeral range, and for a pytest-xdist worker (several
+    processes starting stacks at once) only its own slice, so that two workers can't pick the same port
+    between one's check and its listener's bind."""
+    span = range(low // 2, low)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if count <= 1 or not worker.startswith("gw") or not worker[2:].isdigit():
+        return span
+    size = len(span) // count
+    start = int(worker[2:]) % count * size
+    return span[start : start + size]
+
+
 def free_port() -> int:
     """A port nothing listens on, below the kernel's ephemeral range: a port the kernel handed out would
     be free only until it hands it out again, as the source port of any outgoing connection (the suite's
@@ -67,16 +85,22 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return int(s.getsockname()[1])
+    span = _port_span(low)
+    if len(_HANDED_OUT) > len(span) // 2:
+        _HANDED_OUT.clear()
     rng = random.SystemRandom()
     for _ in range(100):
-        port = rng.randrange(low // 2, low)
+        port = rng.choice(span)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    raise OSError(f"no free port found below {low}")
+        _HANDED_OUT.add(port)
+        return port
+    raise OSError(f"no free port found in {span.start}..{span.stop - 1}")
 
 
 def port_open(port: int) -> bool:

@@ -247,6 +247,9 @@ async def test_power_loss_of_the_whole_rack() -> None:
             sum1, n1 = reconcile_pass_seconds(stack, r)
             passes[r] = ((sum1 - sum0) / max(n1 - n0, 1), n1 - n0)
         mem = memory(stack)
+        for r, (pass_s, n) in passes.items():  # printed now too: a long run's early phases are worth keeping
+            print(f"  reconcile pass at steady state ({r}): {pass_s * 1000:.1f} ms, {n} passes", flush=True)
+        print("  memory (PSS, MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(mem.items())), flush=True)
 
         ended = [r["boot_id"] for r in await db.fetch("SELECT boot_id::text FROM instance_manager.sleds")]
         print("  power loss: every sled reboots", flush=True)
@@ -258,6 +261,7 @@ async def test_power_loss_of_the_whole_rack() -> None:
         truthful = await until(
             db, ids, ended, lambda running, lost: lost == 0, "API truthful", samples, t0, every=0.1
         )
+        print(f"  API truthful after {truthful:.2f}s", flush=True)
         await reboot
         back = await until(
             db, ids, ended, lambda running, lost: running == INSTANCES and lost == 0, "all back", samples, t0,
