@@ -194,13 +194,18 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture
-async def project(client: Client) -> tuple[str, str]:
-    """A fresh silo (no quota) and project."""
-    silo, proj = unique("silo"), unique("proj")
+async def new_project(client: Client, prefix: str = "silo") -> tuple[str, str]:
+    """A fresh silo (no quota) and project in it: (silo, project)."""
+    silo, proj = unique(prefix), unique("proj")
     await client.silo_create(silo)
     await client.project_create(silo, proj)
     return silo, proj
+
+
+@pytest.fixture
+async def project(client: Client) -> tuple[str, str]:
+    """A fresh silo (no quota) and project, on the suite's shared stack."""
+    return await new_project(client)
 
 
 async def eventually(

@@ -43,7 +43,7 @@ from shared.messages import (
     encode,
     envelope,
 )
-from tests.conftest import GiB, counter, eventually, make_stack, unique, usage_is, wait_state
+from tests.conftest import GiB, counter, eventually, make_stack, new_project, usage_is, wait_state
 from tests.test_cli import assert_ok, rackctl, rackctl_offline
 
 # --- the fault layer alone, against a fake JetStream -------------------------------------------------------
@@ -238,11 +238,9 @@ async def _not(found: Any) -> bool:
     return not await found
 
 
-async def new_project(client: Client) -> tuple[str, str]:
+async def settled_project(client: Client) -> tuple[str, str]:
     """A fresh silo and project, once accounting knows them (before any fault is set)."""
-    silo, proj = unique("chaos"), "p"
-    await client.silo_create(silo)
-    await client.project_create(silo, proj)
+    silo, proj = await new_project(client, "chaos")
 
     async def known() -> bool:
         try:
@@ -286,7 +284,7 @@ async def test_every_sled_report_three_times(chaos: Rack, bypass: bool) -> None:
     client = chaos.client
     before = await injected(client, "sled-agent", "duplicate")
     stale = await counter(client, "instance-manager", "reports.stale")
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     await client.faults(
         "sled-agent",
         ServiceFaults(duplicate=DuplicateFault(copies=3, bypass_dedupe=bypass), only=["rp.sled."]),
@@ -304,7 +302,7 @@ async def test_deltas_delayed_and_reordered(chaos: Rack) -> None:
     client = chaos.client
     delayed = await injected(client, "instance-manager", "delay")
     reordered = await injected(client, "instance-manager", "reorder")
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     await client.faults(
         "instance-manager",
         ServiceFaults(
@@ -331,7 +329,7 @@ async def test_first_attempts_dropped(chaos: Rack, service: str, only: list[str]
     the sled agent: its reporter retries."""
     client = chaos.client
     before = await injected(client, service, "drop_first_attempt")
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     await client.faults(service, ServiceFaults(drop_first_attempt=True, only=only))
     expected = await churn(client, silo, proj, 2, keep=1)
     assert await injected(client, service, "drop_first_attempt") >= before + 4
@@ -348,7 +346,7 @@ async def test_held_acks_make_jetstream_redeliver_deltas(chaos: Rack) -> None:
     held = await injected(client, "accounting", "hold_ack")
     fenced = await _fenced(client)
     duplicates = await counter(client, "accounting", "deltas.duplicate")
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     await client.faults("accounting", ServiceFaults(hold_acks=HoldAcksFault(count=4), only=["rp.acct."]))
     expected = await churn(client, silo, proj, 2, keep=1)
     assert await injected(client, "accounting", "hold_ack") == held + 4
@@ -367,7 +365,7 @@ async def test_a_redelivery_while_the_first_handler_runs(chaos: Rack) -> None:
     client = chaos.client
     slowed = await injected(client, "accounting", "slow_handler")
     fenced = await _fenced(client)
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     await client.faults("accounting", ServiceFaults(slow_handler_seconds=6, only=["rp.acct."]))
     await client.instance_create(silo, proj, "vm", vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
     started = time.monotonic()
@@ -506,7 +504,7 @@ async def test_rackctl_check_does_not_cry_wolf_while_work_is_in_flight(rack: Rac
     on their way), the rack is found clean: the at-rest checks are looked at again until work settles."""
     stack, client = rack.stack, rack.client
     assert stack.database_url is not None
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     await client.instance_create(silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
     await client.instance("start", silo, proj, "vm")
     await wait_state(client, silo, proj, "vm", "running")
@@ -521,7 +519,7 @@ async def test_rackctl_check_does_not_cry_wolf_while_work_is_in_flight(rack: Rac
 async def test_rackctl_check_reports_a_corrupted_total(rack: Rack) -> None:
     stack, client = rack.stack, rack.client
     assert stack.database_url is not None
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     await client.instance_create(silo, proj, "vm", vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
     await usage_is(client, {"vcpus": 0, "ram_bytes": 0, "disk_bytes": GiB}, silo, proj)
     corrupt = "UPDATE accounting.silos SET vcpus = vcpus + $2 WHERE name = $1"
@@ -621,7 +619,7 @@ class InventoryStream:
 
 async def test_check_finds_a_vmm_without_a_record(rack: Rack) -> None:
     client = rack.client
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     await client.instance_create(silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
     await client.instance("start", silo, proj, "vm")
     v = await wait_state(client, silo, proj, "vm", "running")
@@ -657,7 +655,7 @@ async def test_requests_handled_twice_late_or_unanswered(chaos: Rack) -> None:
     not at all (the requester times out and asks again): every command is idempotent or fenced, so the
     instances end as asked, charged once."""
     client = chaos.client
-    silo, proj = await new_project(client)
+    silo, proj = await settled_project(client)
     before = {k: await injected(client, "instance-manager", k) for k in ("duplicate_request", "delay_reply")}
     await client.faults(
         "instance-manager",

@@ -23,9 +23,9 @@ from tests.conftest import (
     connect_as,
     counter,
     eventually,
+    new_project,
     private_rack,
     sleds_known,
-    unique,
     usage_is,
     wait_state,
 )
@@ -43,13 +43,6 @@ async def rack() -> AsyncIterator[MakeRack]:
             return await racks.enter_async_context(private_rack("recovery", **env))
 
         yield make
-
-
-async def new_project(client: Client) -> tuple[str, str]:
-    silo, proj = unique("silo"), unique("proj")
-    await client.silo_create(silo)
-    await client.project_create(silo, proj)
-    return silo, proj
 
 
 async def start_many(
