@@ -249,7 +249,8 @@ async def test_power_loss_of_the_whole_rack() -> None:
         mem = memory(stack)
         for r, (pass_s, n) in passes.items():  # printed now too: a long run's early phases are worth keeping
             print(f"  reconcile pass at steady state ({r}): {pass_s * 1000:.1f} ms, {n} passes", flush=True)
-        print("  memory (PSS, MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(mem.items())), flush=True)
+        memory_line = "memory (PSS, MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(mem.items()))
+        print(f"  {memory_line}", flush=True)
 
         ended = [r["boot_id"] for r in await db.fetch("SELECT boot_id::text FROM instance_manager.sleds")]
         print("  power loss: every sled reboots", flush=True)
@@ -288,6 +289,6 @@ async def test_power_loss_of_the_whole_rack() -> None:
     print(f"\nRESULT sleds={SLEDS} instances={INSTANCES}")
     for what, value, ratio in rows:
         print(f"  {what:<50} {value}  ({ratio})")
-    print("  memory (PSS, MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(mem.items())))
+    print(f"  {memory_line}")
     print("  " + "\n  ".join(story))
     print(f"  plot: {PLOT}")
