@@ -585,10 +585,19 @@ class BatchConsumer(Consumer):
     """
 
     def __init__(
-        self, js: JetStreamContext, *, batch_handler: BatchHandler, batch: int = 1000, **kw: Any
+        self,
+        js: JetStreamContext,
+        *,
+        batch_handler: BatchHandler,
+        batch: int = 1000,
+        caught_up: asyncio.Event | None = None,
+        **kw: Any,
     ) -> None:
         super().__init__(js, handler=_unused, batch=batch, **kw)
         self.batch_handler = batch_handler
+        self.caught_up = caught_up
+        """Set while the broker holds nothing more for this consumer than what it has applied; cleared
+        while a backlog waits. Work that should come after this consumer's can wait on it."""
 
     async def run(self) -> None:
         sub = None
@@ -605,6 +614,8 @@ class BatchConsumer(Consumer):
                 except TimeoutError:
                     pending = None
                     self._pending([])
+                    if self.caught_up is not None:
+                        self.caught_up.set()
                     continue
                 except asyncio.CancelledError:
                     raise
@@ -613,7 +624,12 @@ class BatchConsumer(Consumer):
                     await self._fetch_failed(e)
                     continue
                 self._pending(msgs)
+                behind = bool(msgs) and msgs[-1].metadata.num_pending > 0
+                if self.caught_up is not None and behind:
+                    self.caught_up.clear()
                 await self.handle_batch(msgs)
+                if self.caught_up is not None and not behind:
+                    self.caught_up.set()
         finally:
             if pending is not None:
                 pending.cancel()

@@ -49,6 +49,20 @@ def delta(generation: int) -> ProvisionDelta:
     )  # fmt: skip
 
 
+async def publish_deltas(js: Any, n: int) -> None:
+    """Deltas of generations 1 to n, each of its own instance."""
+    for g in range(1, n + 1):
+        d = delta(g)
+        await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
+
+
+def deltas_consumer(js: Any, durable: str, handler: bus.BatchHandler, **kw: Any) -> bus.BatchConsumer:
+    return bus.BatchConsumer(
+        js, service="test", stream=subjects.PROVISION_STREAM, durable=durable,
+        filter_subject="rp.acct.part.>", batch_handler=handler, expect=ProvisionDelta, **kw,
+    )  # fmt: skip
+
+
 async def test_a_poison_message_is_dead_lettered_alone_and_its_batch_applies(js: Any) -> None:
     applied: list[int] = []
     batches: list[int] = []
@@ -63,14 +77,8 @@ async def test_a_poison_message_is_dead_lettered_alone_and_its_batch_applies(js:
             else:
                 applied.append(d.body.generation)
 
-    for g in range(1, 41):
-        d = delta(g)
-        await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
-    consumer = bus.BatchConsumer(
-        js, service="test", stream=subjects.PROVISION_STREAM, durable="test-batches",
-        filter_subject="rp.acct.part.>", batch_handler=handler, expect=ProvisionDelta, max_deliver=2,
-        dead_letters="test-deltas",
-    )  # fmt: skip
+    await publish_deltas(js, 40)
+    consumer = deltas_consumer(js, "test-batches", handler, max_deliver=2, dead_letters="test-deltas")
     task = asyncio.create_task(consumer.run())
     try:
 
@@ -95,6 +103,31 @@ async def test_a_poison_message_is_dead_lettered_alone_and_its_batch_applies(js:
         assert batches.count(1) >= 2
         info = await js.consumer_info(subjects.PROVISION_STREAM, "test-batches")
         assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        task.cancel()
+
+
+async def test_caught_up_is_clear_while_a_backlog_waits_and_set_once_it_is_applied(js: Any) -> None:
+    """What instance-manager's lost orders wait on (App.inventories_first): clear while the broker holds
+    more than the batch in hand, set once everything stored has been applied."""
+    caught_up = asyncio.Event()
+    caught_up.set()
+    seen: list[tuple[int, bool]] = []
+
+    async def handler(batch: list[bus.Delivery]) -> None:
+        seen.append((len(batch), caught_up.is_set()))
+
+    await publish_deltas(js, 25)
+    consumer = deltas_consumer(js, "test-caught-up", handler, batch=10, caught_up=caught_up)
+    task = asyncio.create_task(consumer.run())
+    try:
+
+        async def applied() -> bool:
+            return sum(n for n, _ in seen) == 25 and caught_up.is_set()
+
+        await eventually(applied, timeout=10)
+        assert [n for n, _ in seen] == [10, 10, 5]
+        assert [was_set for _, was_set in seen] == [False, False, False]  # the last batch: set once applied
     finally:
         task.cancel()
 

@@ -37,6 +37,9 @@ OUTCOME_CHANNEL = "charge_outcome"
 """PostgreSQL's notification channel for recorded outcomes (queries.sql outcomes_insert)."""
 LISTEN_CHECK_EVERY = 30.0
 """Seconds between two checks that the connection listening for outcomes still answers."""
+INVENTORIES_FIRST = 5.0
+"""The longest a lost order waits for the inventories before it (App.inventories_first): far less than
+recovery's 10 s for an answer."""
 Q = queries(Path(__file__).parent / "queries.sql")
 
 
@@ -68,11 +71,24 @@ class App:
     send_v1: bool = field(default_factory=event_v1)
     """Whether instance events go out as v1 too (RACKPLANE_EVENT_V1): read once, so a bad value stops the
     process at start."""
+    inventories_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while no inventory waits to be applied (main.consumers); see `inventories_first`."""
     _waiters: dict[tuple[uuid.UUID, int], Waiter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.inventories_caught_up.set()  # until the inventories' consumer finds a backlog
         self.relay = OutboxRelay(self.pool, self.nc, self.js)
         self.sagas = Executor(self, self.dsn)
+
+    async def inventories_first(self) -> None:
+        """Wait (at most INVENTORIES_FIRST seconds) until the inventories waiting to be applied are.
+        Recording a sled's new boot is what makes the API truthful about every instance it held, all at
+        once (instance_view's `lost`); failing its VMMs, order by order, only follows from it. After a
+        rack's power loss both arrive by the thousand on the same cores: the boots go first."""
+        try:
+            await asyncio.wait_for(self.inventories_caught_up.wait(), INVENTORIES_FIRST)
+        except TimeoutError:
+            telemetry.count("inventories_first.waited_out")
 
     def hears_sleds(self) -> bool:
         """Whether a sled's silence means anything here yet. A sled is last seen when this service applies

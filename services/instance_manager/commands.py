@@ -300,6 +300,7 @@ class Commands:
         return {"result": result}
 
     async def _apply_lost(self, batch: list[VmmLostV2]) -> list[dict[uuid.UUID, str]]:
+        await self.app.inventories_first()
         async with self.app.pool.acquire() as conn, conn.transaction():
             results = await orders.lost(self.app, conn, batch)
         self.app.relay.kick()

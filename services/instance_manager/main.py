@@ -38,7 +38,7 @@ async def build(settings: Settings) -> App:
 def consumers(app: App) -> list[bus.Consumer]:
     """Each consumer applies what one fetch returned in one transaction: inventories
     (sleds.apply_inventories), VMM reports (lifecycle.apply_vmm_reports), charge outcomes
-    (App.record_outcomes)."""
+    (App.record_outcomes). The inventories' consumer says when it has caught up (`App.inventories_first`)."""
 
     common: dict[str, Any] = {"service": SOURCE}
     return [
@@ -61,6 +61,7 @@ def consumers(app: App) -> list[bus.Consumer]:
             batch_handler=lambda batch: sleds.apply_inventories(app, batch),
             verify=subjects.sled_claim_error,
             expect=SledInventory,
+            caught_up=app.inventories_caught_up,
         ),
         bus.BatchConsumer(
             app.js,
