@@ -614,25 +614,29 @@ class BatchConsumer(Consumer):
                 except TimeoutError:
                     pending = None
                     self._pending([])
-                    if self.caught_up is not None:
-                        self.caught_up.set()
+                    self._caught_up(True)
                     continue
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
                     sub, pending = None, None
+                    self._caught_up(True)  # nothing waits on a consumer that cannot fetch
                     await self._fetch_failed(e)
                     continue
                 self._pending(msgs)
                 behind = bool(msgs) and msgs[-1].metadata.num_pending > 0
-                if self.caught_up is not None and behind:
-                    self.caught_up.clear()
+                if behind:
+                    self._caught_up(False)
                 await self.handle_batch(msgs)
-                if self.caught_up is not None and not behind:
-                    self.caught_up.set()
+                if not behind:  # what the prefetch brought meanwhile is a backlog too
+                    self._caught_up(not (pending.done() and not pending.cancelled() and _fetched(pending)))
         finally:
             if pending is not None:
                 pending.cancel()
+
+    def _caught_up(self, caught_up: bool) -> None:
+        if self.caught_up is not None:
+            (self.caught_up.set if caught_up else self.caught_up.clear)()
 
     async def handle_batch(self, msgs: list[Msg]) -> None:
         batch: list[Delivery] = []
@@ -691,6 +695,11 @@ class BatchConsumer(Consumer):
             elif not (FAULTS.active and FAULTS.holds_ack(d.msg)):  # a held ack: redelivered after ack_wait
                 await _settle(d.msg.ack())
                 telemetry.count("handled", consumer=self.durable)
+
+
+def _fetched(fetch: asyncio.Future[list[Msg]]) -> bool:
+    """Whether a finished fetch brought messages (not an error, not nothing)."""
+    return fetch.exception() is None and bool(fetch.result())
 
 
 async def _settle(op: Awaitable[None]) -> None:

@@ -38,8 +38,8 @@ OUTCOME_CHANNEL = "charge_outcome"
 LISTEN_CHECK_EVERY = 30.0
 """Seconds between two checks that the connection listening for outcomes still answers."""
 INVENTORIES_FIRST = 5.0
-"""The longest a lost order waits for the inventories before it (App.inventories_first): far less than
-recovery's 10 s for an answer."""
+"""The longest a lost order waits for the inventories before it (App.inventories_first), counted from its
+arrival: half of recovery's 10 s for an answer, the other half for its turn and its transaction."""
 Q = queries(Path(__file__).parent / "queries.sql")
 
 
@@ -83,8 +83,9 @@ class App:
     async def inventories_first(self) -> None:
         """Wait (at most INVENTORIES_FIRST seconds) until the inventories waiting to be applied are.
         Recording a sled's new boot is what makes the API truthful about every instance it held, all at
-        once (instance_view's `lost`); failing its VMMs, order by order, only follows from it. After a
-        rack's power loss both arrive by the thousand on the same cores: the boots go first."""
+        once (instance_view's `lost`); failing its VMMs, order by order, records what follows from it
+        (and calls off a migration to a lost target). After a rack's power loss both arrive by the
+        thousand on the same cores: the boots go first."""
         try:
             await asyncio.wait_for(self.inventories_caught_up.wait(), INVENTORIES_FIRST)
         except TimeoutError:

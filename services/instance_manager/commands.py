@@ -288,19 +288,21 @@ class Commands:
     async def vmm_lost(self, body: VmmLostV2, msg: Msg) -> dict[str, Any]:
         """Every VMM of the order, in one transaction (shared with the orders that came meanwhile):
         `{results: {vmm_id: result}}`, where a result that starts with `stale: ` says why that VMM was left
-        alone."""
+        alone. It waits for the inventories first (App.inventories_first), on its own clock: the orders
+        then go together."""
+        await self.app.inventories_first()
         results = await self.lost_orders(body)
         return {"results": {str(k): v for k, v in results.items()}}
 
     async def vmm_lost_one(self, body: VmmLost, msg: Msg) -> dict[str, Any]:
         """v1: one VMM, answered as before (`{result}`, or the error `stale`)."""
+        await self.app.inventories_first()
         result = (await self.lost_orders(VmmLostV2.of(body)))[body.vmm_id]
         if result.startswith("stale: "):
             raise bus.CommandError("stale", result.removeprefix("stale: "))
         return {"result": result}
 
     async def _apply_lost(self, batch: list[VmmLostV2]) -> list[dict[uuid.UUID, str]]:
-        await self.app.inventories_first()
         async with self.app.pool.acquire() as conn, conn.transaction():
             results = await orders.lost(self.app, conn, batch)
         self.app.relay.kick()

@@ -85,7 +85,8 @@ LEFT JOIN instance_manager.vmms v
 LEFT JOIN instance_manager.instances i ON i.active_vmm_id = v.id AND i.state = 'running'
 WHERE sl.boot_id IN (SELECT unnest($1::uuid[]))"""
 """PROBE's `lost` alone, found from the sleds instance-manager still holds at an ended boot (`behind`),
-through the index of live VMMs by sled: its cost falls with what is left to do, so that polling it
+through the index of live VMMs by sled (every record here has its boot number: the bench's rack is
+new): its cost falls with what is left to do, so that polling it
 closely after a power loss does not take the cores the API needs to become truthful (at 150,000
 instances, PROBE is a second's work for PostgreSQL, the view's several)."""
 POLL_EVERY = max(1.0, INSTANCES / 30_000)
@@ -110,13 +111,15 @@ async def check_probe(db: asyncpg.Pool, ids: list[uuid.UUID], ended_boots: list[
         probe = await conn.fetchrow(PROBE, ended)
         t2 = time.monotonic()
         lost = await conn.fetchval(LOST, ended)
+        t3 = time.monotonic()
     assert (probe["running"], probe["lost"], lost) == (view["running"], view["lost"], view["lost"]), (
         dict(probe),
         dict(view),
         lost,
     )
-    print(f"  the probe agrees with the view: {probe['running']} running, {lost} lost; a poll "
-          f"{(t2 - t1) * 1000:.0f} ms, the view's {(t1 - t0) * 1000:.0f} ms", flush=True)  # fmt: skip
+    print(f"  the probes agree with the view: {probe['running']} running, {lost} lost; PROBE "
+          f"{(t2 - t1) * 1000:.0f} ms, LOST {(t3 - t2) * 1000:.0f} ms, the view {(t1 - t0) * 1000:.0f} ms",
+          flush=True)  # fmt: skip
 
 
 async def in_parallel(n: int, one: Callable[[int], Awaitable[None]]) -> None:
@@ -175,8 +178,8 @@ async def until(
 async def until_truthful(db: asyncpg.Pool, ended: list[str], samples: Samples, t0: float) -> float:
     """Seconds since t0 until the API calls no lost instance running, by LOST, polled as closely as its
     cost allows (each poll waits twice as long as the last one took, so that at most a third of a core
-    goes to polling). These few seconds come before any restart, so what the API calls running then is
-    what is lost: the plot's samples say so."""
+    goes to polling). The plot takes what the API calls running in these few seconds to be what is
+    lost: a restart that finishes within them is left out of its curve."""
     ended_ids = [uuid.UUID(b) for b in ended]
     last = 0.0
     while True:
