@@ -629,7 +629,7 @@ class BatchConsumer(Consumer):
                     self._caught_up(False)
                 await self.handle_batch(msgs)
                 if not behind:  # what the prefetch brought meanwhile is a backlog too
-                    self._caught_up(not (pending.done() and not pending.cancelled() and _fetched(pending)))
+                    self._caught_up(not _fetched(pending))
         finally:
             if pending is not None:
                 pending.cancel()
@@ -698,8 +698,8 @@ class BatchConsumer(Consumer):
 
 
 def _fetched(fetch: asyncio.Future[list[Msg]]) -> bool:
-    """Whether a finished fetch brought messages (not an error, not nothing)."""
-    return fetch.exception() is None and bool(fetch.result())
+    """Whether a fetch has finished and brought messages (not an error, not nothing)."""
+    return fetch.done() and not fetch.cancelled() and fetch.exception() is None and bool(fetch.result())
 
 
 async def _settle(op: Awaitable[None]) -> None:

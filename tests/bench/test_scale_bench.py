@@ -67,8 +67,8 @@ COUNTS = f"""SELECT count(*) FILTER (WHERE state = 'running') AS running,
 FROM ({VIEW}) AS view"""
 """What a reply says of each instance (`instance show`, `instance list`), counted: the same view instance-
 manager answers from, of all of them in one query, summed where it runs. It is the truth the bench checks
-PROBE against, twice a run (at rest, before the power loss and after all are back): at 150,000 instances
-one poll of it takes seconds, too coarse a clock for the API's truth after a power loss."""
+PROBE and LOST against (`check_probe`: before the power loss and at the end): at 150,000 instances one
+poll of it takes seconds, too coarse a clock for the API's truth after a power loss."""
 PROBE = """SELECT count(*) AS running,
        count(*) FILTER (WHERE v.boot_id IN (SELECT unnest($1::uuid[]))) AS lost
 FROM instance_manager.instances i
@@ -86,23 +86,22 @@ LEFT JOIN instance_manager.instances i ON i.active_vmm_id = v.id AND i.state = '
 WHERE sl.boot_id IN (SELECT unnest($1::uuid[]))"""
 """PROBE's `lost` alone, found from the sleds instance-manager still holds at an ended boot (`behind`),
 through the index of live VMMs by sled (every record here has its boot number: the bench's rack is
-new): its cost falls with what is left to do, so that polling it
-closely after a power loss does not take the cores the API needs to become truthful (at 150,000
-instances, PROBE is a second's work for PostgreSQL, the view's several)."""
+new): its cost falls with what is left to do, so that polling it closely after a power loss does not
+take the cores the API needs to become truthful (at 150,000 instances, PROBE is a second's work for
+PostgreSQL, the view's several)."""
 POLL_EVERY = max(1.0, INSTANCES / 30_000)
 """Seconds between polls outside the truth phase: a poll's cost grows with the instances, and should not
 take a share of the cores the phase measures."""
 
 
-async def counts(db: asyncpg.Pool, ended_boots: list[str]) -> tuple[int, int]:
+async def counts(db: asyncpg.Pool, ended: list[uuid.UUID]) -> tuple[int, int]:
     """(instances the API calls running, of which on a VMM of a boot that has ended), by PROBE."""
-    row = await db.fetchrow(PROBE, [uuid.UUID(b) for b in ended_boots])
+    row = await db.fetchrow(PROBE, ended)
     return row["running"], row["lost"]
 
 
-async def check_probe(db: asyncpg.Pool, ids: list[uuid.UUID], ended_boots: list[str]) -> None:
+async def check_probe(db: asyncpg.Pool, ids: list[uuid.UUID], ended: list[uuid.UUID]) -> None:
     """PROBE and LOST say what the view says, all read in one snapshot."""
-    ended = [uuid.UUID(b) for b in ended_boots]
     async with db.acquire() as conn, conn.transaction(isolation="repeatable_read"):
         await conn.execute("SET LOCAL search_path TO instance_manager")
         t0 = time.monotonic()
@@ -151,7 +150,7 @@ Samples = list[tuple[float, int, int]]
 
 async def until(
     db: asyncpg.Pool,
-    ended: list[str],
+    ended: list[uuid.UUID],
     done: Callable[[int, int], bool],
     what: str,
     samples: Samples,
@@ -175,16 +174,15 @@ async def until(
         await asyncio.sleep(POLL_EVERY)
 
 
-async def until_truthful(db: asyncpg.Pool, ended: list[str], samples: Samples, t0: float) -> float:
+async def until_truthful(db: asyncpg.Pool, ended: list[uuid.UUID], samples: Samples, t0: float) -> float:
     """Seconds since t0 until the API calls no lost instance running, by LOST, polled as closely as its
     cost allows (each poll waits twice as long as the last one took, so that at most a third of a core
     goes to polling). The plot takes what the API calls running in these few seconds to be what is
     lost: a restart that finishes within them is left out of its curve."""
-    ended_ids = [uuid.UUID(b) for b in ended]
     last = 0.0
     while True:
         began = time.monotonic()
-        row = await db.fetchrow(LOST, ended_ids)
+        row = await db.fetchrow(LOST, ended)
         now = time.monotonic()
         samples.append((now - t0, row["lost"], row["lost"]))
         if row["lost"] == 0:
@@ -312,7 +310,7 @@ async def test_power_loss_of_the_whole_rack() -> None:
         memory_line = "memory (PSS, MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(mem.items()))
         print(f"  {memory_line}", flush=True)
 
-        ended = [r["boot_id"] for r in await db.fetch("SELECT boot_id::text FROM instance_manager.sleds")]
+        ended = [r["boot_id"] for r in await db.fetch("SELECT boot_id FROM instance_manager.sleds")]
         await check_probe(db, ids, ended)
         print("  power loss: every sled reboots", flush=True)
         samples: Samples = []
