@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import uuid
 from datetime import datetime
 from typing import Any
 
@@ -21,13 +22,15 @@ from nats.js import JetStreamContext
 
 from rackctl import audit, dlq, stored
 from shared import subjects
-from shared.config import transition_timeout
+from shared.config import restart_backoff_max, restart_cooldown, settings, transition_timeout
 from shared.messages import (
     CHARGED_STATES,
     BadMessage,
     PoolChanged,
     SledInventory,
     VmmDestroy,
+    VmmReport,
+    VmmState,
     decode,
 )
 
@@ -67,7 +70,8 @@ async def charges_follow_instances(conn: asyncpg.Connection) -> list[str]:
 
 
 async def reservations_match_vmms(conn: asyncpg.Connection) -> list[str]:
-    """Each sled's reservation equals the sum over its live VMMs, within its capacity."""
+    """Each sled's reservation equals the sum over its live VMMs (it may exceed a capacity the sled has
+    since shrunk to: the sled is then overcommitted, and placement adds nothing to it)."""
     rows = await conn.fetch(
         """
         SELECT s.id, s.reserved_vcpus, s.reserved_ram_bytes, s.vcpus, s.ram_bytes,
@@ -132,6 +136,47 @@ async def no_unfinished_sagas(conn: asyncpg.Connection) -> list[str]:
     return [f"saga {r['kind']} {r['id']} still {r['status']}" for r in rows]
 
 
+async def no_saga_run_twice(conn: asyncpg.Connection) -> list[str]:
+    """No saga was run by two processes at once: every step's event names the process that ran it
+    (instance-manager's saga leases), and a saga passes from one process to another only when the first
+    has let go of it. So no process's steps resume after another's (A, then B, then A again), and no
+    two processes record the same step. Steps logged before leases name no process and are not judged."""
+    if not await conn.fetchval(
+        """
+        SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'instance_manager'
+                       AND table_name = 'saga_events' AND column_name = 'owner')
+        """
+    ):
+        return []  # a schema from before saga leases
+    rows = await conn.fetch(
+        """
+        WITH e AS (
+            SELECT saga_id, seq, step, event, owner,
+                   lag(owner) OVER (PARTITION BY saga_id ORDER BY seq) AS before
+            FROM instance_manager.saga_events WHERE owner IS NOT NULL
+        ), back AS (  -- an owner's run of steps that begins after another's, when it had had one before
+            SELECT e.saga_id, e.owner, e.step, e.event, e.before
+            FROM e
+            WHERE e.before IS DISTINCT FROM e.owner AND e.before IS NOT NULL
+              AND EXISTS (SELECT 1 FROM e e2 WHERE e2.saga_id = e.saga_id AND e2.owner = e.owner
+                          AND e2.seq < e.seq)
+        ), twice AS (
+            SELECT saga_id, step, event, array_agg(DISTINCT owner ORDER BY owner) AS owners
+            FROM e GROUP BY saga_id, step, event HAVING count(DISTINCT owner) > 1
+        )
+        SELECT s.kind, b.saga_id, format('%s ran %s (%s) after %s had taken over from it', b.owner,
+                                         b.step, b.event, b.before) AS what
+        FROM back b JOIN instance_manager.sagas s ON s.id = b.saga_id
+        UNION ALL
+        SELECT s.kind, t.saga_id, format('%s (%s) recorded by %s', t.step, t.event,
+                                         array_to_string(t.owners, ' and ')) AS what
+        FROM twice t JOIN instance_manager.sagas s ON s.id = t.saga_id
+        ORDER BY 2, 3
+        """
+    )
+    return [f"saga {r['kind']} {r['saga_id']} was run by two processes at once: {r['what']}" for r in rows]
+
+
 async def totals_never_negative(conn: asyncpg.Connection) -> list[str]:
     """No total (project, silo) and no instance's charge is below zero (the fleet's is the sum of the
     silos')."""
@@ -169,6 +214,76 @@ async def no_stuck_transitions(conn: asyncpg.Connection) -> list[str]:
     ]
 
 
+async def vmms_claimed(conn: asyncpg.Connection) -> list[str]:
+    """At rest: every live VMM record is claimed by an instance, as its active VMM or its migration target.
+    A live record holds room on its sled and stands for a VM that may run; one nobody claims is a VM the
+    control plane lost track of (charged to nobody, fenced from the zombie destroy by its live record)."""
+    rows = await conn.fetch(
+        """
+        SELECT v.id, v.sled_id, v.state, v.instance_id, i.name, i.state AS instance_state
+        FROM instance_manager.vmms v
+        LEFT JOIN instance_manager.instances i ON i.id = v.instance_id
+        WHERE v.ended_at IS NULL
+          AND NOT EXISTS (SELECT 1 FROM instance_manager.instances c WHERE c.active_vmm_id = v.id)
+          AND NOT EXISTS (SELECT 1 FROM instance_manager.instances c WHERE c.target_vmm_id = v.id)
+        ORDER BY v.id
+        """
+    )
+    return [
+        f"VMM {r['id']} on {r['sled_id']} ({r['state']}) has a live record no instance claims (its "
+        f"instance {r['name']} ({r['instance_id']}) is {r['instance_state']})"
+        for r in rows
+    ]
+
+
+async def intent_honoured(conn: asyncpg.Connection) -> list[str]:
+    """At rest: no instance runs against its intent for longer than a reconcile pass
+    (RACKPLANE_RECONCILE_INTERVAL): none is running while meant to be stopped (a pool member being retired
+    included) a pass after its last change, or starting or migrating so a pass past the transition
+    timeout; and none that is failed, meant to run and restarted automatically (best_effort) has a restart
+    overdue by more than a pass (when it is due: instance_view's rule, with this process's cooldown and
+    backoff settings). Stopped but meant to run is not judged: a pool member whose start was refused waits
+    there, by design."""
+    s = settings()
+    rows = await conn.fetch(
+        """
+        SELECT id, name, state, intended_state, extract(epoch FROM now() - updated_at) AS age, due,
+               extract(epoch FROM now() - due) AS overdue
+        FROM instance_manager.instances i
+        CROSS JOIN LATERAL (
+            SELECT CASE
+                WHEN i.state = 'failed' AND i.auto_restart = 'best_effort' AND i.intended_state = 'running'
+                THEN greatest(i.failed_at, i.last_auto_restart_at
+                              + make_interval(secs => least($3 * 2 ^ least(i.restart_failures, 30),
+                                                            greatest($3, $4))))
+            END AS due) d
+        WHERE (intended_state = 'stopped' AND state = 'running'
+               AND updated_at < now() - make_interval(secs => $1))
+           OR (intended_state = 'stopped' AND state IN ('starting', 'migrating')
+               AND updated_at < now() - make_interval(secs => $1 + $2))
+           OR due < now() - make_interval(secs => $1)
+        ORDER BY id
+        """,
+        s.reconcile_interval,
+        transition_timeout(),
+        restart_cooldown(),
+        restart_backoff_max(),
+    )
+    out = []
+    for r in rows:
+        if r["due"] is not None:
+            out.append(
+                f"instance {r['name']} ({r['id']}) is failed and meant to run (best_effort), its restart "
+                f"overdue by {r['overdue']:.0f}s (reconcile interval {s.reconcile_interval:g}s)"
+            )
+        else:
+            out.append(
+                f"instance {r['name']} ({r['id']}) has been {r['state']} for {r['age']:.0f}s while meant "
+                f"to be {r['intended_state']} (reconcile interval {s.reconcile_interval:g}s)"
+            )
+    return out
+
+
 async def outboxes_empty(conn: asyncpg.Connection) -> list[str]:
     """At rest: every service's outbox is empty, so every message that followed a commit was published."""
     schemas = await conn.fetch(
@@ -182,13 +297,22 @@ async def outboxes_empty(conn: asyncpg.Connection) -> list[str]:
     return out
 
 
-ALWAYS = (totals_match_ledger, totals_never_negative, quotas_respected, one_live_vmm, claimed_vmms_live)
+ALWAYS = (
+    totals_match_ledger,
+    totals_never_negative,
+    quotas_respected,
+    one_live_vmm,
+    claimed_vmms_live,
+    no_saga_run_twice,
+)
 AT_REST = (
     charges_follow_instances,
     reservations_match_vmms,
     no_unfinished_sagas,
     no_stuck_transitions,
     outboxes_empty,
+    vmms_claimed,
+    intent_honoured,
 )
 
 
@@ -284,13 +408,21 @@ async def vmms_pruned_before(conn: asyncpg.Connection) -> datetime | None:
     return await conn.fetchval("SELECT at FROM instance_manager.pruned_before WHERE what = 'vmms'")
 
 
-async def no_zombie_vmms(conn: asyncpg.Connection, js: JetStreamContext) -> list[str]:
+Latest = tuple[list[tuple[Any, SledInventory]], list[str]]
+"""Each sled's last inventory in SLED_REPORT with when it was made, and what could not be read."""
+
+
+async def no_zombie_vmms(
+    conn: asyncpg.Connection, js: JetStreamContext, latest: Latest | None = None
+) -> list[str]:
     """At rest: every VMM a sled runs, by its latest inventory, has a live record on that sled. A record
     that ended after the inventory was made does not count against it (the inventory predates the end);
     expunged sleds are out of the rack and not checked. A VMM without a record in an inventory made before
     the pruning horizon is not judged: its record may have ended after the inventory, and been pruned. A
-    sled silent for longer than RACKPLANE_INVENTORY_TTL has no inventory left in the stream to judge."""
-    inventories, out = await _latest_inventories(js)
+    sled silent for longer than RACKPLANE_INVENTORY_TTL has no inventory left in the stream to judge.
+    `latest`: the inventories, if already read (`_latest_inventories`)."""
+    inventories, problems = latest if latest is not None else await _latest_inventories(js)
+    out = list(problems)
     horizon = await vmms_pruned_before(conn)
     expunged = {
         r["id"] for r in await conn.fetch("SELECT id FROM instance_manager.sleds WHERE state = 'expunged'")
@@ -324,7 +456,7 @@ async def no_zombie_vmms(conn: asyncpg.Connection, js: JetStreamContext) -> list
     return out
 
 
-async def _latest_inventories(js: JetStreamContext) -> tuple[list[tuple[Any, SledInventory]], list[str]]:
+async def _latest_inventories(js: JetStreamContext) -> Latest:
     """The last inventory of each sled in SLED_REPORT, with when it was made; and what could not be read."""
     found: list[tuple[Any, SledInventory]] = []
     problems: list[str] = []
@@ -348,6 +480,67 @@ async def _latest_inventories(js: JetStreamContext) -> tuple[list[tuple[Any, Sle
         assert isinstance(inv, SledInventory)
         found.append((env.time, inv))
     return found, problems
+
+
+def inventory_in_flight() -> float:
+    """Seconds a sled's newest inventory may wait to be applied: two of its intervals (the one on its way
+    and the one before) or the settle grace, whichever is longer."""
+    return max(SETTLE_GRACE, 2 * settings().inventory_interval)
+
+
+async def newest_inventory_applied(
+    conn: asyncpg.Connection, js: JetStreamContext, latest: Latest | None = None
+) -> list[str]:
+    """At rest: every sled's newest inventory in SLED_REPORT is applied by instance-manager (its `sleds`
+    row holds that (boot number, sequence) or a newer one) and by recovery (its own `sleds` row). One
+    younger than `inventory_in_flight()` may still be on its way: it passes if the service applied an
+    inventory of that sled no longer than that before it was made, or none yet. So a sled whose
+    inventories are all dead-lettered (or never read) is seen, whose new boot neither service would ever
+    learn. Expunged sleds are out of the rack and not checked; what cannot be read is no_zombie_vmms's to
+    report. `latest`: the inventories, if already read."""
+    inventories, _ = latest if latest is not None else await _latest_inventories(js)
+    flight = inventory_in_flight()
+    now = await conn.fetchval("SELECT now()")
+    held = {
+        (r["service"], r["id"]): r
+        for r in await conn.fetch(
+            """
+            SELECT 'instance-manager' AS service, id, state, boot_number, inventory_seq,
+                   last_seen_at AS applied_at
+            FROM instance_manager.sleds
+            UNION ALL
+            SELECT 'recovery', id, state, boot_number, inventory_seq,
+                   CASE WHEN isfinite(last_inventory_at) THEN last_inventory_at END
+            FROM recovery.sleds
+            """
+        )
+    }
+    out = []
+    for sent_at, inv in sorted(inventories, key=lambda x: x[1].sled_id):
+        im = held.get(("instance-manager", inv.sled_id))
+        if im is not None and im["state"] == "expunged":
+            continue
+        newest = (inv.boot_number, inv.seq)
+        young = (now - sent_at).total_seconds() < flight
+        for service in ("instance-manager", "recovery"):
+            r = held.get((service, inv.sled_id))
+            mark = (-1, -1) if r is None else (r["boot_number"] or 0, _seq(r["inventory_seq"]))
+            if mark >= newest:
+                continue
+            applied = None if r is None else r["applied_at"]
+            if young and (applied is None or (sent_at - applied).total_seconds() < flight):
+                continue  # on its way: the one before it was applied lately (or it is the sled's first)
+            since = "never" if applied is None else f"last at {applied.isoformat()}"
+            out.append(
+                f"sled {inv.sled_id}: its newest inventory (boot {inv.boot_number}, seq {inv.seq}, made at "
+                f"{sent_at.isoformat()}) is not applied by {service}, which holds (boot {mark[0]}, seq "
+                f"{mark[1]}), applied {since}"
+            )
+    return out
+
+
+def _seq(value: int | None) -> int:
+    return -1 if value is None else value
 
 
 async def pool_vms_handed_out_once(js: JetStreamContext) -> list[str]:
@@ -448,6 +641,49 @@ async def no_wrongful_kills(conn: asyncpg.Connection, boots: dict[str, list[dict
     return out
 
 
+async def no_running_vmm_called_stuck(conn: asyncpg.Connection, js: JetStreamContext) -> list[str]:
+    """No VMM was failed as stuck (a start or a migration past the timeout) that its sled had said runs: each
+    such failure names the sled's inventory it was judged on, by (boot, sequence), and none of the sled's
+    reports about that VMM made before that inventory (the sled's own order of its messages, no clock) may
+    say it was running. A failure without that evidence is a failure on a clock alone, which a late report
+    turns into a running VM destroyed."""
+    rows = await conn.fetch(
+        """
+        SELECT f.instance_id, f.vmm_id, f.sled_id, f.reason, f.proof_boot_number, f.proof_seq, f.at
+        FROM instance_manager.failures f
+        WHERE f.kind = 'stuck' AND (f.reason LIKE 'starting%' OR f.reason LIKE 'migrating%')
+        ORDER BY f.seq
+        """
+    )
+    if not rows:
+        return []
+    ran: dict[uuid.UUID, tuple[int, int]] = {}  # each VMM's earliest report of running, by (boot, seq)
+    wanted = {r["vmm_id"] for r in rows}
+    for sled in sorted({r["sled_id"] for r in rows}):
+        async for msg in stored.messages(js, subjects.SLED_REPORT_STREAM, subjects.sled_report(sled, "vmm")):
+            try:
+                _, report = decode(msg.data or b"", VmmReport)
+            except BadMessage:
+                continue
+            assert isinstance(report, VmmReport)
+            if report.vmm_id in wanted and report.sled_id == sled and report.state is VmmState.running:
+                mark = (report.boot_number, report.seq)
+                ran[report.vmm_id] = min(ran.get(report.vmm_id, mark), mark)
+    out = []
+    for r in rows:
+        what = f"VMM {r['vmm_id']} of instance {r['instance_id']} was failed at {r['at'].isoformat()}"
+        what += f" ({r['reason']})"
+        if r["proof_seq"] is None:
+            out.append(f"{what} with no inventory of {r['sled_id']} as evidence: on a clock alone")
+        elif (mark := ran.get(r["vmm_id"])) is not None and mark < (r["proof_boot_number"], r["proof_seq"]):
+            out.append(
+                f"{what} on {r['sled_id']}'s inventory (boot {r['proof_boot_number']}, seq "
+                f"{r['proof_seq']}), though the sled had reported it running before (boot {mark[0]}, "
+                f"seq {mark[1]}): a late report, not a stuck VMM"
+            )
+    return out
+
+
 def recent_dead_letters(depth: dlq.Depth) -> list[str]:
     """No dead letter younger than the alert threshold: each is a message a consumer gave up on, which
     waits for an operator (`rackctl dlq`). Not an invariant of the rack, so `check` itself leaves it to
@@ -475,6 +711,8 @@ BROKER_AT_REST = (
     pool_vms_handed_out_once,
     no_claimed_vmm_destroyed,
     no_wrongful_kills,
+    newest_inventory_applied,
+    no_running_vmm_called_stuck,
 )
 
 
@@ -504,9 +742,12 @@ async def check_each(
         out[f.__name__] = await f(conn)
     if at_rest and js is not None:
         out["consumers_settled"] = await consumers_settled(js)
-        out["no_zombie_vmms"] = await no_zombie_vmms(conn, js)
+        latest = await _latest_inventories(js)  # read once, for both checks that judge them
+        out["no_zombie_vmms"] = await no_zombie_vmms(conn, js, latest)
         out["pool_vms_handed_out_once"] = await pool_vms_handed_out_once(js)
         out["no_claimed_vmm_destroyed"] = await no_claimed_vmm_destroyed(conn, js)
+        out["newest_inventory_applied"] = await newest_inventory_applied(conn, js, latest)
+        out["no_running_vmm_called_stuck"] = await no_running_vmm_called_stuck(conn, js)
     if at_rest and nc is not None and (boots := await sled_boots(nc)) is not None:
         out["no_wrongful_kills"] = await no_wrongful_kills(conn, boots)
     return out

@@ -5,6 +5,9 @@ was committed before that point, and only that, survives.
   saga:<kind>/<step>          before a saga step runs (`saga:instance-start/undo:interlock` for an undo)
   saga:<kind>/after:<step>    after a remote step's action, before its progress is committed
   after-commit:<consumer>     after a stream handler's transaction committed, before its ack
+  sled-agent:write:<name>     before the simulator writes a sled's state file carrying a named change: a
+                              command's (`vmm.ensure`, `vmm.stop`...), a hand-over's (`handover-target`,
+                              then `handover-source`)
 A point ending in `*` names every point it is the start of (`after-commit:accounting-deltas-*`).
 """
 

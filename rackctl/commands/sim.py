@@ -14,10 +14,15 @@ from rackctl.commands.args import count, json_flag, probability, seconds, size, 
 from rackctl.commands.base import Ctx, UsageError, command, group, validated
 from rackctl.output import print_table
 from rackctl.sizes import format_size
+from shared import subjects
 from shared.messages import SimFaults, SimSledAdd, VmmState
+from shared.messages.simulator import SimSledCapacity
 
 group("sim", "drive the sled simulator: reboot, freeze, partition, faults (testing only)")
-group("sim sled", "add, list, reboot, freeze, thaw, partition, heal or remove simulated sleds (testing only)")
+group(
+    "sim sled",
+    "add, list, reboot, freeze, thaw, partition, heal, resize or remove simulated sleds (testing only)",
+)
 group("sim rack", "the whole simulated rack at once (testing only)")
 
 
@@ -88,6 +93,41 @@ async def sim_sled_add(ctx: Ctx) -> None:
             f"(boot id {d['boot_id']})"
         ),
     )
+
+
+def _sim_capacity_options(p: argparse.ArgumentParser) -> None:
+    sled_arg(p)
+    p.add_argument("--cpus", type=count, metavar="N", help="vCPUs to report (default: as made)")
+    p.add_argument("--ram", type=size, metavar="SIZE", help="RAM to report, e.g. 64GiB (default: as made)")
+
+
+@command(
+    "sim sled capacity",
+    "make a simulated sled report another capacity from its next inventory on (sent at once); "
+    "without options, restore what it was made with",
+    _sim_capacity_options,
+    json_flag,
+    examples=(
+        "rackctl sim sled capacity sled-0 --cpus 8 --ram 16GiB  # it lost cores and DIMMs",
+        "rackctl sim sled capacity sled-0  # back to what it was made with",
+    ),
+)
+async def sim_sled_capacity(ctx: Ctx) -> None:
+    body = validated(
+        SimSledCapacity,
+        {"vcpus": "--cpus", "ram_bytes": "--ram"},
+        sled_id=ctx.args.sled,
+        vcpus=ctx.args.cpus,
+        ram_bytes=ctx.args.ram,
+    )
+    data = await (await ctx.client()).call(subjects.sim_control("sled.capacity"), body)
+
+    def human(d: dict[str, Any]) -> None:
+        made = f"{d['nominal_vcpus']} vCPUs, {format_size(d['nominal_ram_bytes'])} RAM"
+        now = f"{d['vcpus']} vCPUs, {format_size(d['ram_bytes'])} RAM"
+        print(f"{d['sled_id']} reports {now}" + ("" if now == made else f" (made with {made})"))
+
+    ctx.emit(data, human)
 
 
 SIM_VERBS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {

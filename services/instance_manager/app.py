@@ -38,8 +38,9 @@ OUTCOME_CHANNEL = "charge_outcome"
 LISTEN_CHECK_EVERY = 30.0
 """Seconds between two checks that the connection listening for outcomes still answers."""
 INVENTORIES_FIRST = 5.0
-"""The longest a lost order waits for the inventories before it (App.inventories_first), counted from its
-arrival: half of recovery's 10 s for an answer, the other half for its turn and its transaction."""
+"""The longest a lost order waits for the inventories before it (App.inventories_first), and a stuck order
+for the reports and inventories (App.reports_first), counted from its arrival: half of recovery's 10 s for
+an answer, the other half for its turn and its transaction."""
 Q = queries(Path(__file__).parent / "queries.sql")
 
 
@@ -73,10 +74,13 @@ class App:
     process at start."""
     inventories_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while no inventory waits to be applied (main.consumers); see `inventories_first`."""
+    reports_caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while no VMM report waits to be applied (main.consumers); see `reports_first`."""
     _waiters: dict[tuple[uuid.UUID, int], Waiter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.inventories_caught_up.set()  # until the inventories' consumer finds a backlog
+        self.reports_caught_up.set()
         self.relay = OutboxRelay(self.pool, self.nc, self.js)
         self.sagas = Executor(self, self.dsn)
 
@@ -86,10 +90,28 @@ class App:
         once (instance_view's `lost`); failing its VMMs, order by order, records what follows from it
         (and calls off a migration to a lost target). After a rack's power loss both arrive by the
         thousand on the same cores: the boots go first."""
+        await self._caught_up(self.inventories_caught_up, counter="inventories_first.waited_out")
+
+    async def reports_first(self) -> None:
+        """The same wait for the VMM reports and the inventories: a stuck order is judged on the sleds'
+        latest word (orders.stuck), so what they have said already is applied first."""
+        await self._caught_up(
+            self.reports_caught_up, self.inventories_caught_up, counter="reports_first.waited_out"
+        )
+
+    async def _caught_up(self, *consumers: asyncio.Event, counter: str) -> None:
+        """Wait, at most INVENTORIES_FIRST seconds from now, until every one of these consumers' `caught_up`
+        events is set at once."""
+
+        async def all_set() -> None:
+            while not all(e.is_set() for e in consumers):
+                for e in consumers:
+                    await e.wait()
+
         try:
-            await asyncio.wait_for(self.inventories_caught_up.wait(), INVENTORIES_FIRST)
+            await asyncio.wait_for(all_set(), INVENTORIES_FIRST)
         except TimeoutError:
-            telemetry.count("inventories_first.waited_out")
+            telemetry.count(counter)
 
     def hears_sleds(self) -> bool:
         """Whether a sled's silence means anything here yet. A sled is last seen when this service applies

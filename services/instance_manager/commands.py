@@ -309,6 +309,7 @@ class Commands:
         return results
 
     async def vmm_stuck(self, body: VmmStuck, msg: Msg) -> dict[str, Any]:
+        await self.app.reports_first()  # judged on the sleds' latest word, not on a backlog of it
         async with self.app.pool.acquire() as conn, conn.transaction():
             result = await orders.stuck(self.app, conn, body)
         self.app.relay.kick()

@@ -44,15 +44,17 @@ async def stop(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> In
 
 
 async def retire(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> None:
-    """A pool VM its pool no longer needs is stopped, then deleted by the keeper. Checked under the row
-    lock: a VM handed out meanwhile is a customer's now, and is left alone."""
+    """A pool VM its pool no longer needs is meant to be stopped from now on (a change of intent: a new
+    generation, and an event), stopped if it runs, then deleted by the keeper. Whatever state it is in
+    (starting, say), the keeper's later passes stop it once it runs (pools.Keeper.keep). Checked under
+    the row lock: a VM handed out meanwhile is a customer's now, and is left alone."""
     inst = await conn.fetchrow(Q["instance_lock"], instance_id)
     if inst["pool_id"] is None or inst["has_customer_data_at"] is not None:
         return
     if inst["state"] == "running":
         await stop(app, conn, instance_id)
-    else:
-        await conn.execute(Q["instance_set_intent"], instance_id, "stopped")
+    elif await conn.fetchval(Q["instance_set_intent"], instance_id, "stopped") is not None:
+        await app.instance_changed(conn, instance_id)
 
 
 async def delete(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
@@ -69,29 +71,31 @@ async def apply_vmm_reports(app: App, batch: list[bus.Delivery]) -> None:
     accordingly: one transaction, a fixed number of statements for the common cases (a VMM running,
     stopping or gone), so that a rack's reports keep up with its sleds.
 
-    Of one sled's reports about a VMM, the newest counts. A report not written is stale (not newer, or
-    about an ended VMM) or unknown (no such VMM); one about another sled's VMM is refused as forbidden.
-    An instance named by more than one written report, or in a migration, is moved report by report.
+    A report counts only for the VMM's own sled. Reports are taken by VMM and sled: of one sled's about
+    a VMM, the newest counts, and a written one moves its VMM's instance only as its own sled reported
+    it. A sled's reports about a VMM placed on another sled are never written (the fence): each of them is
+    refused as forbidden (dead-lettered with the reason), also when the VMM's own sled's report is in the
+    same batch. A report not written is otherwise stale (not newer, or about an ended VMM) or unknown (no
+    such VMM). An instance named by more than one written report, or in a migration, is moved report by
+    report.
     """
-    newest: dict[tuple[uuid.UUID, str], bus.Delivery] = {}
+    sent: dict[tuple[uuid.UUID, str], list[bus.Delivery]] = {}
     for d in batch:
-        key = (d.body.vmm_id, d.body.sled_id)
-        if key not in newest or newest[key].body.generation < d.body.generation:
-            newest[key] = d
-    reports: list[VmmReport] = [d.body for d in newest.values()]
-    telemetry.count("reports.stale", len(batch) - len(reports))
+        sent.setdefault((d.body.vmm_id, d.body.sled_id), []).append(d)
+    reports = {k: max((d.body for d in ds), key=lambda r: r.generation) for k, ds in sent.items()}
     async with app.pool.acquire() as conn, conn.transaction():
         written = await conn.fetch(
             Q["vmms_apply_reports"],
-            [r.vmm_id for r in reports],
-            [r.state.value for r in reports],
-            [r.generation for r in reports],
-            [r.state.terminal for r in reports],
-            [r.sled_id for r in reports],
-            [r.boot_number for r in reports],
+            [r.vmm_id for r in reports.values()],
+            [r.state.value for r in reports.values()],
+            [r.generation for r in reports.values()],
+            [r.state.terminal for r in reports.values()],
+            [r.sled_id for r in reports.values()],
+            [r.boot_number for r in reports.values()],
         )
-        by_vmm = {r.vmm_id: r for r in reports if r.vmm_id in {w["id"] for w in written}}
-        await _unwritten(conn, [d for d in newest.values() if d.body.vmm_id not in by_vmm])
+        wrote = {(w["id"], w["sled_id"]) for w in written}
+        await _unwritten(conn, [ds for k, ds in sent.items() if k not in wrote])
+        telemetry.count("reports.stale", sum(len(ds) - 1 for ds in sent.values() if ds[0].refused is None))
         ended = [w for w in written if w["ended"]]  # their sled reservations go with them, exactly once
         await conn.execute(
             Q["sleds_unreserve"],
@@ -106,34 +110,40 @@ async def apply_vmm_reports(app: App, batch: list[bus.Delivery]) -> None:
         moves = _Moves()
         for vmm in sorted(written, key=lambda w: w["id"]):
             inst = insts[vmm["instance_id"]]
+            report = reports[vmm["id"], vmm["sled_id"]]  # its own sled's, as written: never another's
             if named[inst["id"]] > 1 or inst["target_vmm_id"] is not None:
                 alone = _Moves()  # after the instance's earlier reports in this batch: read it afresh
-                alone.add(await conn.fetchrow(Q["instance_lock"], inst["id"]), vmm, by_vmm[vmm["id"]])
+                alone.add(await conn.fetchrow(Q["instance_lock"], inst["id"]), vmm, report)
                 await alone.apply(app, conn)
             else:
-                moves.add(inst, vmm, by_vmm[vmm["id"]])
+                moves.add(inst, vmm, report)
         await moves.apply(app, conn)
     telemetry.count("reports.applied", len(written))
     if written:
         app.relay.kick()
 
 
-async def _unwritten(conn: asyncpg.Connection, unwritten: list[bus.Delivery]) -> None:
-    """Reports the fence turned down: forbidden if about another sled's VMM, else stale or unknown."""
+async def _unwritten(conn: asyncpg.Connection, unwritten: list[list[bus.Delivery]]) -> None:
+    """Reports the fence turned down, by VMM and sled: every one about a VMM placed on another sled than
+    the one reporting is forbidden (dead-lettered with the reason); the others are stale or unknown. The
+    broker has checked that the reporting sled is who it says (its subject: main.consumers' `verify`);
+    that it speaks only of its own VMMs is checked here, against the VMM's record."""
     if not unwritten:
         return
     placed = {
-        r["id"]: r["sled_id"] for r in await conn.fetch(Q["vmms_placed"], [d.body.vmm_id for d in unwritten])
+        r["id"]: r["sled_id"]
+        for r in await conn.fetch(Q["vmms_placed"], list({ds[0].body.vmm_id for ds in unwritten}))
     }
-    for d in unwritten:
-        report: VmmReport = d.body
+    for ds in unwritten:
+        report: VmmReport = ds[0].body
         sled_id = placed.get(report.vmm_id)
         if sled_id is not None and sled_id != report.sled_id:
-            telemetry.count("reports.wrong_sled")
-            d.refused = bus.Reject(
-                f"forbidden: {report.sled_id} reports on VMM {report.vmm_id}, which runs on "
-                f"{sled_id}: a sled speaks only for its own VMMs"
-            )
+            telemetry.count("reports.wrong_sled", len(ds))
+            for d in ds:
+                d.refused = bus.Reject(
+                    f"forbidden: {report.sled_id} reports on VMM {report.vmm_id}, which runs on "
+                    f"{sled_id}: a sled speaks only for its own VMMs"
+                )
         else:
             telemetry.count("reports.unknown" if sled_id is None else "reports.stale")
 
@@ -190,6 +200,8 @@ class Evidence:
     """The boot of its sled the VMM was placed on."""
     proof_boot: int | None
     """The sled's boot that shows it gone (for `rebooted`: a later one)."""
+    proof_seq: int | None = None
+    """For `stuck`: the sequence (within `proof_boot`) of the sled's inventory that did not show it."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +238,7 @@ async def _active_vmms_ended(app: App, conn: asyncpg.Connection, ended: list[End
             [e.reason for e in failed],
             [e.evidence.vmm_boot for e in failed if e.evidence],
             [e.evidence.proof_boot for e in failed if e.evidence],
+            [e.evidence.proof_seq for e in failed if e.evidence],
         )
     rows = await conn.fetch(
         Q["instances_vmm_ended"],

@@ -38,7 +38,8 @@ async def build(settings: Settings) -> App:
 def consumers(app: App) -> list[bus.Consumer]:
     """Each consumer applies what one fetch returned in one transaction: inventories
     (sleds.apply_inventories), VMM reports (lifecycle.apply_vmm_reports), charge outcomes
-    (App.record_outcomes). The inventories' consumer says when it has caught up (`App.inventories_first`)."""
+    (App.record_outcomes). The inventories' and the reports' consumers say when they have caught up
+    (`App.inventories_first`, `App.reports_first`)."""
 
     common: dict[str, Any] = {"service": SOURCE}
     return [
@@ -51,6 +52,7 @@ def consumers(app: App) -> list[bus.Consumer]:
             batch_handler=lambda batch: lifecycle.apply_vmm_reports(app, batch),
             expect=VmmReport,
             verify=subjects.sled_claim_error,
+            caught_up=app.reports_caught_up,
         ),
         bus.BatchConsumer(
             app.js,

@@ -135,6 +135,9 @@ async def migrate_source(ctx: Context) -> None:
         await bus.publish(
             ctx.app.js, subject, cmd, source=SOURCE, key=f"migrate:{d['source_vmm_id']}:{d['vmm_id']}"
         )
+    # The move's transition timeout counts from here (a stuck order judges the target by it). Apart from
+    # the transaction above: it holds the instance's lock, and VMM records are locked before instances.
+    await ctx.app.pool.execute(Q["vmm_asked"], cmd.target_vmm_id)
 
 
 async def _where_the_move_stands(ctx: Context, conn: asyncpg.Connection | None = None) -> str:

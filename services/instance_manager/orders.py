@@ -26,6 +26,7 @@ from shared.config import sled_unknown_after, transition_timeout, zombie_grace
 from shared.db import enqueue
 from shared.faults import FAULTS
 from shared.messages import LostVmm, VmmDestroy, VmmLostV2, VmmStuck, VmmZombie
+from shared.messages.orders import shows_awaited
 
 log = logging.getLogger(__name__)
 
@@ -127,31 +128,56 @@ def _check_lost(order: VmmLostV2, v: LostVmm, vmm: asyncpg.Record, sled: asyncpg
 
 async def stuck(app: App, conn: asyncpg.Connection, order: VmmStuck) -> str:
     """An instance that has been starting, stopping or migrating past the timeout, on a sled that answers,
-    loses that VMM (a migration is called off; the instance runs on where it was)."""
+    loses that VMM (a migration is called off; the instance runs on where it was); but only on the sled's
+    own evidence (`_check_stuck`), never on a report that is merely late. The caller has waited for the
+    VMM reports and inventories already received to be applied (App.reports_first)."""
     vmms, insts = await _locked(conn, [order.vmm_id])
     vmm = vmms.get(order.vmm_id)
     inst = insts.get(vmm["instance_id"]) if vmm else None
     _check_claim("stuck", vmm, inst, order.vmm_id, order.instance_id, order.generation)
     assert vmm is not None and inst is not None
     timeout = transition_timeout()
+    reason = f"{order.state} for over {timeout:g}s"
+    proof: tuple[int | None, int | None] = (None, None)  # the inventory judged on, by (boot, seq)
     if _fenced():
         if inst["state"] != order.state:
             raise Stale("stuck", f"instance {order.instance_id} is {inst['state']}, not {order.state}")
         wanted = inst["target_vmm_id"] if order.state == "migrating" else inst["active_vmm_id"]
         if wanted != order.vmm_id:
             raise Stale("stuck", f"VMM {order.vmm_id} is not the one instance {order.instance_id} waits on")
-        if not await conn.fetchval(Q["instance_overdue"], order.instance_id, timeout):
-            raise Stale(
-                "stuck", f"instance {order.instance_id} has been {order.state} for under {timeout:g}s"
-            )
-        sled = await conn.fetchrow(Q["sled_seen"], vmm["sled_id"], sled_unknown_after())
-        if sled is None or not sled["answering"]:
-            raise Stale(
-                "stuck", f"sled {vmm['sled_id']} does not answer: its instances are unknown, not failed"
-            )
-    reason = f"{order.state} for over {timeout:g}s"
-    lost = Lost(order.vmm_id, reason, Evidence("stuck", vmm["boot_number"], None))
+        evidence = await conn.fetchrow(
+            Q["stuck_evidence"], order.vmm_id, order.instance_id, timeout, sled_unknown_after()
+        )
+        _check_stuck(order, evidence, timeout)
+        shown = evidence["shown"]
+        reason += f" (sled {evidence['sled_id']} {f'lists it as {shown}' if shown else 'does not list it'})"
+        proof = (evidence["boot_number"], evidence["inventory_seq"])
+    lost = Lost(order.vmm_id, reason, Evidence("stuck", vmm["boot_number"], *proof))
     return (await fail_vmms(app, conn, [lost]))[order.vmm_id]
+
+
+def _check_stuck(order: VmmStuck, evidence: asyncpg.Record, timeout: float) -> None:
+    """A VMM is judged stuck only on its sled's evidence: the sled answers, was asked (to run it, or to
+    stop it) longer than the timeout ago by this service's clock, and its latest inventory, made longer
+    than the timeout after it was asked, does not show what the instance waits for (running; gone for a
+    stop). A start whose saga has not asked the sled yet is not stuck at all. An inventory that shows the
+    awaited state means the sled's report is late, not the VMM: for a migration, the target already runs
+    the instance (it may be its only copy), and is never destroyed for it."""
+    sled, vmm_id = evidence["sled_id"], order.vmm_id
+    if not evidence["answering"]:
+        raise Stale("stuck", f"sled {sled} does not answer: its instances are unknown, not failed")
+    if evidence["asked_at"] is None:
+        raise Stale("stuck", f"sled {sled} has not been asked to run VMM {vmm_id} yet: it cannot be stuck")
+    if not evidence["overdue"]:
+        since = f"for under {timeout:g}s since sled {sled} was asked"
+        raise Stale("stuck", f"instance {order.instance_id} has been {order.state} {since}")
+    if not evidence["judged"]:
+        made = f"made over {timeout:g}s after it was asked"
+        raise Stale("stuck", f"no inventory of sled {sled} {made} has been applied yet: no evidence")
+    if shows_awaited(order.state, evidence["shown"]):
+        shown, made = evidence["shown"], evidence["inventory_made_at"].isoformat()
+        seen = f"lists VMM {vmm_id} as {shown}" if shown else f"no longer lists VMM {vmm_id}"
+        raise Stale("stuck", f"sled {sled} {seen} (inventory made {made}): its report is late, not the VMM")
 
 
 async def zombie(app: App, conn: asyncpg.Connection, order: VmmZombie) -> str:

@@ -34,7 +34,8 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating', $8, CASE WHEN $8::uuid IS NULL T
 -- Everything a reply or an event says about an instance, for each of the instances $1, in that order. $2: seconds of sled silence after which its
 -- instances' health is unknown; $3: the automatic restart cooldown, in seconds; $4: the longest wait
 -- between automatic restarts. The cooldown doubles with each restart in a row that could not start
--- the instance (no room, no quota), up to $4: the one rule for when the next restart is due.
+-- the instance (no room, no quota), up to $4: the one rule for when the next restart is due, kept in
+-- the function next_restart_at (migration 009), which the start interlock checks too.
 -- An instance whose VMM was placed on an earlier boot of its sled than the one the sled now reports
 -- (x.lost) runs nowhere: it is shown as what recovery's lost order will make of it (failed; stopped if it
 -- was stopping: lifecycle.Ended.state, orders.lost's reason) from the moment this service applies the
@@ -58,11 +59,7 @@ SELECT i.id, s.name AS silo, p.name AS project, i.name, s.id AS silo_id, p.id AS
                                       OR sl.last_seen_at < now() - make_interval(secs => $2)) THEN 'unknown'
            ELSE 'ok'
        END AS health,
-       CASE
-           WHEN i.state = 'failed' AND i.auto_restart = 'best_effort' AND i.intended_state = 'running'
-           THEN greatest(i.failed_at, i.last_auto_restart_at
-                         + make_interval(secs => least($3 * 2 ^ least(i.restart_failures, 30), greatest($3, $4))))
-       END AS next_restart_at
+       next_restart_at(i, $3, $4) AS next_restart_at
 FROM instances i
 JOIN projects p ON p.id = i.project_id
 JOIN silos s ON s.id = p.silo_id
@@ -126,17 +123,33 @@ RETURNING generation;
 
 -- name: start_interlock
 -- The "one start at a time" interlock: a compare-and-set that only one of any number of concurrent
--- starts can win, because only one finds the instance stopped with no active VMM. An automatic restart
--- ($4) also names the generation it decided on ($3), so that it loses to anything a user did since.
+-- starts can win, because only one finds the instance stopped with no active VMM. Who asks ($4, as
+-- start_saga.asked_by says) adds its own conditions, checked here under the row lock, by this service's
+-- clock: an automatic restart ('restart') names the generation it decided on ($3) and finds the instance
+-- failed at it, best_effort, meant to run and its next restart due (next_restart_at, with instance_view's
+-- $5 and $6), so that it loses to anything a user did since and never runs ahead of its cooldown; a pool
+-- keeper's start ('pool') finds its VM still meant to run (not retired since).
 UPDATE instances
 SET state = 'starting', active_vmm_id = $2, intended_state = 'running',
-    last_error = CASE WHEN $4 THEN last_error END,
-    auto_restarts = auto_restarts + CASE WHEN $4 THEN 1 ELSE 0 END,
-    last_auto_restart_at = CASE WHEN $4 THEN now() ELSE last_auto_restart_at END,
+    last_error = CASE WHEN $4::text = 'restart' THEN last_error END,
+    auto_restarts = auto_restarts + CASE WHEN $4 = 'restart' THEN 1 ELSE 0 END,
+    last_auto_restart_at = CASE WHEN $4 = 'restart' THEN now() ELSE last_auto_restart_at END,
     generation = generation + 1, updated_at = now()
 WHERE id = $1 AND state IN ('stopped', 'failed') AND active_vmm_id IS NULL
-  AND ($3::bigint IS NULL OR (generation = $3 AND state = 'failed'))
+  AND CASE $4
+          WHEN 'restart' THEN generation = $3::bigint
+                              AND next_restart_at(instances, $5::float8, $6::float8) <= now()
+          WHEN 'pool' THEN intended_state = 'running'
+          ELSE true
+      END
 RETURNING generation, project_id, vcpus, ram_bytes, disk_bytes;
+
+-- name: start_refused
+-- Why the start interlock did not pass, read under the row lock: what its conditions look at ($2, $3 as
+-- its $5, $6).
+SELECT i.state, i.generation, i.auto_restart, i.intended_state, next_restart_at(i, $2, $3) AS next_restart_at,
+       now() AS now
+FROM instances i WHERE i.id = $1 FOR UPDATE;
 
 -- name: start_interlock_release
 -- Undo of the interlock: only if the instance is still ours (our VMM is still the active one). Who asked
@@ -264,13 +277,20 @@ SELECT id, boot_number FROM sleds WHERE id = ANY($1::text[]) ORDER BY id FOR UPD
 -- name: sleds_apply_inventories
 -- Sleds make themselves known, and tell their boots, through their inventories (one per sled, $1
 -- sorted). The inventory fence: only a strictly newer (boot number, sequence) than the one held is
--- written; returns the sleds written, with the boot number now held.
-INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vcpus, ram_bytes, last_seen_at)
-SELECT *, now() FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[], $5::int[], $6::bigint[])
+-- written; returns the sleds written, with the boot number now held. The capacity is recorded as
+-- reported, even below what is reserved (a sled that shrank is overcommitted, never wedged). Each row
+-- also keeps what a stuck order is judged on: when the sled made the inventory ($7) and the VMMs it
+-- listed with their states ($8, a JSON object {vmm_id: state}).
+INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vcpus, ram_bytes, inventory_made_at,
+                   inventory_vmms, last_seen_at)
+SELECT u.id, u.boot_id, u.boot_number, u.seq, u.vcpus, u.ram_bytes, u.made_at, u.vmms::jsonb, now()
+FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[], $5::int[], $6::bigint[],
+            $7::timestamptz[], $8::text[]) AS u (id, boot_id, boot_number, seq, vcpus, ram_bytes, made_at, vmms)
 ORDER BY 1
 ON CONFLICT (id) DO UPDATE
 SET boot_id = EXCLUDED.boot_id, boot_number = EXCLUDED.boot_number, inventory_seq = EXCLUDED.inventory_seq,
-    vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, last_seen_at = now()
+    vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, inventory_made_at = EXCLUDED.inventory_made_at,
+    inventory_vmms = EXCLUDED.inventory_vmms, last_seen_at = now()
 WHERE (coalesce(sleds.boot_number, 0), coalesce(sleds.inventory_seq, -1))
       < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
 RETURNING id, boot_id, boot_number;
@@ -322,7 +342,12 @@ FROM unnest($1::uuid[], $2::text[], $3::text[]) AS u (id, state, reason)
 WHERE i.id = u.id
 RETURNING i.id, i.generation;
 -- name: instance_set_intent
-UPDATE instances SET intended_state = $2 WHERE id = $1;
+-- Every change of intent is a change: it bumps the generation (the caller publishes the instance), so
+-- that recovery sees it and any order decided on the old intent is stale. Nothing if the intent is so
+-- already. Returns the new generation, or NULL.
+UPDATE instances SET intended_state = $2, generation = generation + 1, updated_at = now()
+WHERE id = $1 AND intended_state <> $2
+RETURNING generation;
 
 -- name: instance_create_undo
 UPDATE instances SET state = 'destroyed', generation = generation + 1, last_error = $2, updated_at = now(),
@@ -393,19 +418,35 @@ SELECT active_vmm_id, target_vmm_id FROM instances WHERE id = $1;
 SELECT id, instance_id, sled_id, boot_number, state, generation, ended_at, vcpus, ram_bytes,
        ended_at < now() - make_interval(secs => $2) AS ended_long_ago
 FROM vmms WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE;
--- name: sled_seen
--- What instance-manager itself knows of a sled: its latest boot, and whether it answers ($2 seconds).
-SELECT state, boot_number, last_seen_at > now() - make_interval(secs => $2) AS answering
-FROM sleds WHERE id = $1;
-
 -- name: sleds_seen
--- The same, for the sleds $1.
+-- What instance-manager itself knows of the sleds $1: each one's latest boot, and whether it answers
+-- ($2 seconds).
 SELECT id, state, boot_number, last_seen_at > now() - make_interval(secs => $2) AS answering
 FROM sleds WHERE id = ANY($1::text[]);
 
--- name: instance_overdue
--- Whether the instance has been in its state longer than $2 seconds, by this service's clock.
-SELECT updated_at < now() - make_interval(secs => $2) FROM instances WHERE id = $1;
+-- name: stuck_evidence
+-- What a stuck order about VMM $1 of instance $2 (both locked by the caller) is judged on, with the
+-- VMM's sled locked after them (as ending the VMM locks it), so that an inventory being applied is
+-- waited for and read: when the sled was asked (for a stop, when the instance began to stop: the stop
+-- goes out after that commit; NULL: not asked yet), whether that is over $3 seconds ago by this
+-- service's clock, whether the sled answers ($4 seconds), and its latest inventory: whether the sled
+-- made it over $3 seconds after it was asked (by the sled's clock), and the VMM's state in it (NULL:
+-- not listed).
+SELECT s.id AS sled_id, s.last_seen_at > now() - make_interval(secs => $4) AS answering,
+       s.boot_number, s.inventory_seq, s.inventory_made_at, s.inventory_vmms ->> v.id::text AS shown,
+       CASE WHEN i.state = 'stopping' THEN i.updated_at ELSE v.asked_at END AS asked_at,
+       CASE WHEN i.state = 'stopping' THEN i.updated_at ELSE v.asked_at END
+           < now() - make_interval(secs => $3) AS overdue,
+       s.inventory_made_at > CASE WHEN i.state = 'stopping' THEN i.updated_at ELSE v.asked_at END
+                             + make_interval(secs => $3) AS judged
+FROM vmms v JOIN instances i ON i.id = $2 JOIN sleds s ON s.id = v.sled_id
+WHERE v.id = $1
+FOR NO KEY UPDATE OF s;
+
+-- name: vmm_asked
+-- The VMM's sled has just been asked to run it (or, for a migration target, its source to hand over):
+-- the transition timeout counts from now (the clock's, not the transaction's start).
+UPDATE vmms SET asked_at = clock_timestamp() WHERE id = $1 AND ended_at IS NULL;
 
 -- name: vmm_claimants
 -- Every instance that names the VMM as active or as its migration target, locked.
@@ -413,8 +454,9 @@ SELECT id FROM instances WHERE active_vmm_id = $1 OR target_vmm_id = $1 ORDER BY
 
 -- name: failures_record
 -- The evidence of failures the control plane made (the checker holds it against the sleds' history).
-INSERT INTO failures (instance_id, vmm_id, sled_id, kind, reason, vmm_boot_number, proof_boot_number)
-SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[]);
+INSERT INTO failures (instance_id, vmm_id, sled_id, kind, reason, vmm_boot_number, proof_boot_number, proof_seq)
+SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[],
+                     $8::bigint[]);
 
 -- name: charges_pending
 -- Before deltas (instances $1 at generations $2) are sent: a resend of one already answered adds nothing.

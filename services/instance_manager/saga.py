@@ -18,14 +18,21 @@ Guarantees:
   a process, the rest wait their turn before their second step; a user's command never waits behind
   them. A begun saga is a promise to its instance, better kept in turn than all of them late
   (docs/architecture.md, "Sagas take turns"). Saga steps have connections of their own.
-- After a crash, `resume` picks up every unfinished saga. A saga runs in one process at a time: its
-  runner holds a session advisory lock on a dedicated connection, released at once if the process dies.
+- After a crash, `resume` picks up every unfinished saga. A saga runs in one process at a time, under
+  a lease kept in its row (`lease_owner`, `lease_until`), not under anything a connection holds: the
+  lease is taken only when free or expired, renewed while the process runs (one statement for all its
+  sagas), and every step's commit is fenced by it (the step's transaction first locks the saga row while
+  `lease_owner` is this process). A lost connection, a database restart or a stalled process thus never
+  lets two processes commit steps of one saga: one whose lease was taken commits nothing more, and stops
+  running that saga. Each step's event names the process that ran it (the checker's no_saga_run_twice).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,10 +48,23 @@ from shared.db import queries
 
 log = logging.getLogger(__name__)
 SQL = queries(Path(__file__).with_name("saga.sql"))
+LEASE = 10.0
+"""Seconds a saga's lease lasts unless renewed. Every RENEW seconds the process renews all of its leases
+in one statement, so a lease outlives three failed renewals in a row (a database restart of several
+seconds): a process that only lost its connection keeps its sagas. A process that died (kill -9, no
+release) holds its sagas up for at most LEASE plus the resume interval before another process resumes
+them; shorter would renew more often and lose leases to a busy database, longer would leave a crashed
+replica's sagas (an instance half started) waiting longer."""
+RENEW = 2.5
+"""Seconds between two renewals of a process's leases."""
 AT_ONCE = 256
 """Sagas nobody waits for that run at once in one process. A start spends most of its time waiting (its
 charge goes through accounting and back), so sagas done a second is about AT_ONCE over one saga's time:
 64 held the restarts after a rack-wide power loss to 22 a second where fresh starts ran at 39."""
+
+
+class LeaseLost(Exception):
+    """Another process took the saga's lease (this one's had expired): this one stops running it."""
 
 
 class StepFailed(Exception):
@@ -93,6 +113,12 @@ class Saga:
     steps: list[Step]
 
 
+def process_owner() -> str:
+    """A name for this process, unique among every process that ever runs sagas (host and pid say which
+    it was, the random part keeps a reused pid from passing for its predecessor)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
 @dataclass
 class Executor:
     """Runs sagas of the kinds it knows; one per process."""
@@ -101,9 +127,9 @@ class Executor:
     dsn: str
     kinds: dict[str, Saga] = field(default_factory=dict)
     retry_delay: float = 0.2
+    owner: str = field(default_factory=lambda: process_owner())
+    """This process's name on the leases it holds and the steps it logs: unique to the process."""
     _running: dict[uuid.UUID, asyncio.Task[str]] = field(default_factory=dict)
-    _lock_conn: asyncpg.Connection | None = None
-    _lock_guard: asyncio.Lock = field(default_factory=asyncio.Lock)
     _turns: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AT_ONCE))
 
     def register(self, saga: Saga) -> None:
@@ -127,6 +153,8 @@ class Executor:
             out,
             telemetry.current_traceparent(),
             first.name,
+            self.owner,
+            LEASE,
         )
         return saga_id
 
@@ -141,21 +169,48 @@ class Executor:
         return task
 
     async def resume(self) -> int:
-        """Launch every unfinished saga that no live process is running. Returns how many were found."""
-        rows = await self.pool.fetch(SQL["unfinished"])
+        """Launch every unfinished saga that no live process is running (its lease free, expired, or
+        ours). Returns how many were found."""
+        rows = await self.pool.fetch(SQL["unfinished"], self.owner)
         for r in rows:
             if r["id"] not in self._running:
                 self.launch(r["id"])
         return len(rows)
 
     async def resume_forever(self) -> None:
+        """Resume what no live process runs, every RACKPLANE_SAGA_RESUME_INTERVAL, and keep this process's
+        leases renewed meanwhile; release them when stopped, so that another process resumes at once."""
         interval = settings().saga_resume_interval
+        renewing = asyncio.create_task(self.renew_forever())
+        try:
+            while True:
+                try:
+                    await self.resume()
+                except Exception as e:
+                    log.warning("saga resume pass failed: %s", e)
+                await asyncio.sleep(interval)
+        finally:
+            renewing.cancel()
+            await self.release()
+
+    async def renew_forever(self) -> None:
+        """Renew every lease this process holds, every RENEW seconds, in one statement."""
         while True:
             try:
-                await self.resume()
-            except Exception as e:
-                log.warning("saga resume pass failed: %s", e)
-            await asyncio.sleep(interval)
+                await self.pool.execute(SQL["leases_renew"], self.owner, LEASE)
+            except Exception as e:  # the leases last LEASE: the next renewals may still make it
+                log.warning("saga lease renewal failed: %s", e)
+                telemetry.count("saga.lease_renewals_failed")
+            await asyncio.sleep(RENEW)
+
+    async def release(self) -> None:
+        """Give up this process's leases (it stops): other processes resume its sagas at once."""
+        for task in list(self._running.values()):
+            task.cancel()
+        try:
+            await asyncio.wait_for(self.pool.execute(SQL["leases_release"], self.owner), 2.0)
+        except Exception as e:  # they expire on their own
+            log.info("saga leases not released (%s): they expire within %gs", e, LEASE)
 
     async def error(self, saga_id: uuid.UUID) -> str | None:
         return await self.pool.fetchval(SQL["error"], saga_id)
@@ -171,42 +226,27 @@ class Executor:
 
     # --- running one saga ---
 
-    async def _lock(self, saga_id: uuid.UUID, take: bool) -> bool:
-        key = int.from_bytes(saga_id.bytes[:8], "big", signed=True)
-        async with self._lock_guard:
-            if self._lock_conn is None or self._lock_conn.is_closed():
-                self._lock_conn = await asyncpg.connect(self.dsn)
-            try:
-                if take:
-                    return bool(await self._lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", key))
-                await self._lock_conn.execute("SELECT pg_advisory_unlock($1)", key)
-                return True
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
-                # The database went away (and the locks with it): connect afresh next time.
-                self._lock_conn.terminate()
-                self._lock_conn = None
-                raise
-
     async def _run(self, saga_id: uuid.UUID) -> str:
         async with self._turns:
             return await self._run_now(saga_id)
 
     async def _run_now(self, saga_id: uuid.UUID) -> str:
+        """Take the saga's lease and drive it: "busy" if another process holds the lease, "lost" if
+        another took it while this one ran (it goes on there), else the saga's final status."""
         while True:
             try:
-                if await self._lock(saga_id, take=True):
+                if await self.pool.fetchval(SQL["lease_take"], saga_id, self.owner, LEASE) is not None:
                     break
-                return "busy"  # another process runs it
+                return "busy"  # another process runs it, or it is over
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-                log.info("saga %s: cannot take its lock yet (%s)", saga_id, e)
+                log.info("saga %s: cannot take its lease yet (%s)", saga_id, e)
                 await asyncio.sleep(self.retry_delay)
         try:
             return await self._drive(saga_id)
-        finally:
-            try:
-                await self._lock(saga_id, take=False)
-            except Exception:
-                pass  # the lock went with its connection
+        except LeaseLost:
+            log.warning("saga %s: its lease was taken by another process, which runs it now", saga_id)
+            telemetry.count("saga.leases_lost")
+            return "lost"
 
     async def _drive(self, saga_id: uuid.UUID) -> str:
         attempt = 0
@@ -244,9 +284,15 @@ class Executor:
                         row = await self._backward(saga, row, step)
                 attempt = 0
             except StepFailed as e:
-                await self._start_unwinding(row, step, e.reason)
-                row = None
-            except asyncio.CancelledError:
+                failed, row = row, None
+                try:
+                    await self._start_unwinding(failed, step, e.reason)
+                except LeaseLost:
+                    raise
+                except Exception as x:  # not recorded: the step runs again, and fails again
+                    log.warning("saga %s %s: cannot start unwinding yet: %s", failed["kind"], saga_id, x)
+                    await asyncio.sleep(self.retry_delay)
+            except (asyncio.CancelledError, LeaseLost):
                 raise
             except Exception as e:
                 failed, row = row, None
@@ -266,6 +312,7 @@ class Executor:
         done = row["cursor"] + 1 >= len(saga.steps)
         if step.local:
             async with self.pool.acquire() as conn, conn.transaction():
+                await self._fence(conn, row)
                 out = await step.action(Context(row["id"], row["params"], data, self.app, conn)) or {}
                 return await self._advance(
                     conn, row, step, {**data, **out}, "done" if done else "running", +1
@@ -282,6 +329,7 @@ class Executor:
             await step.undo(ctx)
             crash_point(f"saga:{saga.kind}/after:undo:{step.name}")
         async with self.pool.acquire() as conn, conn.transaction():
+            await self._fence(conn, row)
             if step.undo is not None and step.undo_local:
                 ctx.conn = conn
                 await step.undo(ctx)
@@ -299,19 +347,35 @@ class Executor:
     ) -> asyncpg.Record:
         """Move the saga on (or back) by one step and log it, in one statement; the saga as it now is."""
         moved = await conn.fetchrow(
-            SQL["advance"], row["id"], data, status, move, row["cursor"], row["status"], step.name, event
+            SQL["advance"],
+            row["id"],
+            data,
+            status,
+            move,
+            row["cursor"],
+            row["status"],
+            step.name,
+            event,
+            self.owner,
+            LEASE,
         )
         if moved is None:
+            await self._fence(conn, row)  # the lease is another's: LeaseLost
             raise RuntimeError(f"saga {row['id']} moved under us")
         return moved
 
+    async def _fence(self, conn: asyncpg.Connection | asyncpg.Pool, row: asyncpg.Record) -> None:
+        """Lock the saga row while this process holds its lease (LeaseLost if not): the first statement
+        of a step's transaction, so that the step commits only under the lease, and nobody takes the
+        lease before it has."""
+        if await conn.fetchval(SQL["lease_fence"], row["id"], self.owner) is None:
+            raise LeaseLost(row["id"])
+
     async def _start_unwinding(self, row: asyncpg.Record, step: Step, reason: str) -> None:
         log.info("saga %s %s: step %s failed: %s; unwinding", row["kind"], row["id"], step.name, reason)
-        async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute(
-                SQL["unwind"],
-                row["id"],
-                reason,
-                row["cursor"],
-            )
-            await conn.execute(SQL["log"], row["id"], step.name, "failed", reason)
+        moved = await self.pool.fetchval(
+            SQL["unwind"], row["id"], reason, row["cursor"], self.owner, step.name
+        )
+        if moved is None:
+            await self._fence(self.pool, row)  # the lease is another's: LeaseLost
+            raise RuntimeError(f"saga {row['id']} moved under us")

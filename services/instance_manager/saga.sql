@@ -1,35 +1,78 @@
 -- name: insert
--- A saga whose first step is done, with that step's event ($6), in one statement.
+-- A saga whose first step is done, with that step's event ($6), in one statement. Its lease is its
+-- creator's ($7, for $8 seconds), so that no other process resumes it before its creator launches it.
 WITH saga AS (
-    INSERT INTO sagas (id, kind, params, data, status, cursor, trace) VALUES ($1, $2, $3, $4, 'running', 1, $5)
+    INSERT INTO sagas (id, kind, params, data, status, cursor, trace, lease_owner, lease_until)
+    VALUES ($1, $2, $3, $4, 'running', 1, $5, $7, now() + make_interval(secs => $8))
     RETURNING id
 )
-INSERT INTO saga_events (saga_id, step, event, detail) SELECT id, $6, 'done', NULL FROM saga;
-
--- name: log
-INSERT INTO saga_events (saga_id, step, event, detail) VALUES ($1, $2, $3, $4);
+INSERT INTO saga_events (saga_id, step, event, detail, owner) SELECT id, $6, 'done', NULL, $7 FROM saga;
 
 -- name: unfinished
-SELECT id FROM sagas WHERE status IN ('running', 'unwinding') ORDER BY created_at;
+-- Unfinished sagas no live process runs: the lease is free, expired, or this process's own ($1).
+SELECT id FROM sagas
+WHERE status IN ('running', 'unwinding')
+  AND (lease_owner IS NULL OR lease_owner = $1 OR lease_until < now())
+ORDER BY created_at;
+
+-- name: lease_take
+-- Take the lease of saga $1 for process $2 ($3 seconds), only if it is free, expired or already ours.
+-- Returns nothing when another process holds it.
+UPDATE sagas SET lease_owner = $2, lease_until = now() + make_interval(secs => $3)
+WHERE id = $1 AND status IN ('running', 'unwinding')
+  AND (lease_owner IS NULL OR lease_owner = $2 OR lease_until < now())
+RETURNING id;
+
+-- name: leases_renew
+-- Every unfinished saga process $1 holds runs on for $2 seconds more. Rows locked right now (a step of
+-- ours committing, which renews its own; or another process taking an expired lease) are skipped.
+UPDATE sagas SET lease_until = now() + make_interval(secs => $2)
+WHERE id IN (
+    SELECT id FROM sagas
+    WHERE lease_owner = $1 AND status IN ('running', 'unwinding')
+    FOR NO KEY UPDATE SKIP LOCKED
+);
+
+-- name: leases_release
+-- Process $1 stops: what it held may be resumed by another process at once, not once its leases expire.
+UPDATE sagas SET lease_owner = NULL, lease_until = NULL
+WHERE lease_owner = $1 AND status IN ('running', 'unwinding');
+
+-- name: lease_fence
+-- The first statement of a step's transaction: the saga row, locked, only while process $2 holds the
+-- lease. Nobody can take the lease until this transaction ends, and a process that lost it commits
+-- nothing (no row: the step's transaction is rolled back).
+SELECT id FROM sagas WHERE id = $1 AND lease_owner = $2 FOR NO KEY UPDATE;
 
 -- name: load
 SELECT id, kind, params, data, status, cursor, trace, error FROM sagas WHERE id = $1;
 
 -- name: advance
--- Compare-and-set on (cursor, status): a saga only moves from where its runner saw it. The step's event
--- ($7, $8) is logged in the same statement; returns the saga as it now is (none: it had moved).
+-- Compare-and-set on (cursor, status), fenced by the lease ($9: this process): a saga only moves from
+-- where its runner saw it, and only by the process holding its lease, which it renews ($10 seconds). The
+-- step's event ($7, $8) is logged in the same statement, with its owner; returns the saga as it now is
+-- (none: it had moved, or the lease is another's).
 WITH moved AS (
-    UPDATE sagas SET data = $2, status = $3, cursor = cursor + $4, updated_at = now()
-    WHERE id = $1 AND cursor = $5 AND status = $6
+    UPDATE sagas SET data = $2, status = $3, cursor = cursor + $4, updated_at = now(),
+                     lease_until = now() + make_interval(secs => $10)
+    WHERE id = $1 AND cursor = $5 AND status = $6 AND lease_owner = $9
     RETURNING id, kind, params, data, status, cursor, trace, error
 ), logged AS (
-    INSERT INTO saga_events (saga_id, step, event, detail) SELECT id, $7, $8, NULL FROM moved
+    INSERT INTO saga_events (saga_id, step, event, detail, owner) SELECT id, $7, $8, NULL, $9 FROM moved
 )
 SELECT * FROM moved;
 
 -- name: unwind
-UPDATE sagas SET status = 'unwinding', cursor = cursor - 1, error = $2, updated_at = now()
-WHERE id = $1 AND status = 'running' AND cursor = $3;
+-- A step failed: the saga unwinds from the step before it, fenced like `advance`, and the failure is
+-- logged with its owner ($4). Returns nothing if the saga moved or its lease is another's.
+WITH moved AS (
+    UPDATE sagas SET status = 'unwinding', cursor = cursor - 1, error = $2, updated_at = now()
+    WHERE id = $1 AND status = 'running' AND cursor = $3 AND lease_owner = $4
+    RETURNING id
+), logged AS (
+    INSERT INTO saga_events (saga_id, step, event, detail, owner) SELECT id, $5, 'failed', $2, $4 FROM moved
+)
+SELECT id FROM moved;
 
 -- name: error
 SELECT error FROM sagas WHERE id = $1;

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import asyncpg
@@ -23,8 +24,15 @@ async def apply_inventories(app: App, batch: list[bus.Delivery]) -> None:
     statements however large the batch (5,000 sleds report every few seconds). Fenced by (boot number,
     sequence): an inventory older than the one held (a redelivery from before a reboot, say) changes
     nothing, not even when the sled was last seen; of one sled's inventories in a batch, the newest
-    counts. A new sled, or a later boot, is announced as an event."""
+    counts. A new sled, or a later boot, is announced as an event.
+
+    A sled's boot and sequence are recorded even when its capacity cannot be honoured: a sled reporting
+    less than is reserved on it is recorded as it says (overcommitted: no placement fits it until VMMs
+    end), rather than refused, which would leave its next boot unrecorded and its lost VMMs unfailed.
+    The same row keeps the sled's evidence for stuck orders (orders.stuck): when the sled made the
+    inventory (its envelope's time) and each VMM it listed, with its state."""
     invs = SledInventory.newest([d.body for d in batch])
+    made = {(d.body.sled_id, d.body.boot_number, d.body.seq): d.env.time for d in batch}
     async with app.pool.acquire() as conn, conn.transaction():
         held = await conn.fetch(Q["sleds_lock"], [i.sled_id for i in invs])
         before = {r["id"]: r["boot_number"] or 0 for r in held}
@@ -36,6 +44,8 @@ async def apply_inventories(app: App, batch: list[bus.Delivery]) -> None:
             [i.seq for i in invs],
             [i.vcpus for i in invs],
             [i.ram_bytes for i in invs],
+            [made[i.sled_id, i.boot_number, i.seq] for i in invs],
+            [json.dumps({str(v.vmm_id): v.state.value for v in i.vmms}) for i in invs],
         )
         await announce(
             app,

@@ -31,6 +31,7 @@ from services.instance_manager.app import SOURCE, App, Q
 from services.instance_manager.orders import Stale
 from services.instance_manager.saga import Context, Saga, Step, StepFailed
 from shared import bus, subjects
+from shared.config import restart_backoff_max, restart_cooldown
 from shared.messages import MigrationSource, ProvisionDelta, VmmEnsure
 
 
@@ -39,20 +40,27 @@ class AlreadyRunning(Exception):
 
 
 async def interlock(ctx: Context) -> dict[str, Any]:
+    """Pass the interlock (queries.sql start_interlock), or say why not. An automatic restart is an
+    order: refused as `stale` unless, under the row lock and by this service's clock, the instance is
+    failed at the generation it names, best_effort, meant to run and due (next_restart_at). A pool
+    keeper's start is refused once its VM is no longer meant to run (retired)."""
     instance_id = uuid.UUID(ctx.params["instance_id"])
     vmm_id = uuid.uuid4()
+    by = asked_by(ctx.params)
     expected = ctx.params.get("expected_generation")  # set by an automatic restart
-    won = await ctx.tx.fetchrow(Q["start_interlock"], instance_id, vmm_id, expected, expected is not None)
+    rule = (restart_cooldown(), restart_backoff_max())
+    won = await ctx.tx.fetchrow(Q["start_interlock"], instance_id, vmm_id, expected, by, *rule)
     if won is None:
-        current = await ctx.tx.fetchrow(Q["instance_lock"], instance_id)
+        current = await ctx.tx.fetchrow(Q["start_refused"], instance_id, *rule)
         state = current["state"] if current else "destroyed"
-        if expected is not None:  # an automatic restart is an order: what it saw no longer holds
-            now = f"{state} at generation {current['generation']}" if current else "destroyed"
-            raise Stale("restart", f"instance is {now}, not failed at generation {expected}")
+        if by == "restart":
+            raise Stale("restart", _not_restartable(current, expected))
         if state in ("starting", "running", "migrating"):
             raise AlreadyRunning(state)
         if state == "destroyed":
             raise bus.NotFound("instance not found")
+        if by == "pool" and current["intended_state"] != "running":
+            raise bus.Conflict("pool VM is retired: its pool no longer means it to run")
         raise bus.Conflict(f"instance is {state}; it can be started once it is stopped")
     app: App = ctx.app
     v = await app.instance_changed(ctx.tx, instance_id)
@@ -67,6 +75,23 @@ async def interlock(ctx: Context) -> dict[str, Any]:
         "ram_bytes": won["ram_bytes"],
         "disk_bytes": won["disk_bytes"],
     }
+
+
+def _not_restartable(current: asyncpg.Record | None, expected: int) -> str:
+    """Which of an automatic restart's conditions no longer holds (start_refused's row)."""
+    if current is None:
+        return "instance is destroyed"
+    if current["state"] != "failed" or current["generation"] != expected:
+        now = f"{current['state']} at generation {current['generation']}"
+        return f"instance is {now}, not failed at generation {expected}"
+    if current["auto_restart"] != "best_effort":
+        return f"instance's auto-restart policy is {current['auto_restart']}"
+    if current["intended_state"] != "running":
+        return "instance is meant to stay stopped"
+    due = current["next_restart_at"]
+    if due is not None and due > current["now"]:
+        return f"its next restart is due in {(due - current['now']).total_seconds():.1f}s, not yet"
+    return "instance is not failed with nothing running"
 
 
 def asked_by(params: dict[str, Any]) -> str:
@@ -168,7 +193,9 @@ async def create_vmm_undo(ctx: Context) -> None:
 async def ensure_on_sled(ctx: Context, migrate_from: MigrationSource | None = None) -> None:
     """Ask the sled to run the VMM, holding its record's lock meanwhile: an order that ends the record (an
     expunge, a lost VMM) waits, and its destroy follows this ensure on the sled's stream. A record that
-    has ended already (before this step, or since a first try that crashed) is asked for nothing."""
+    has ended already (before this step, or since a first try that crashed) is asked for nothing. The
+    record notes when the sled was asked, once it was (its transition timeout counts from then: a VMM
+    whose sled was not asked yet is never stuck)."""
     d = ctx.data
     vmm_id = uuid.UUID(d["vmm_id"])
     cmd = VmmEnsure(
@@ -192,6 +219,7 @@ async def ensure_on_sled(ctx: Context, migrate_from: MigrationSource | None = No
             source=SOURCE,
             key=f"ensure:{d['vmm_id']}",
         )
+        await conn.execute(Q["vmm_asked"], vmm_id)
 
 
 START = Saga(

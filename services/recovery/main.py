@@ -40,8 +40,10 @@ async def main(settings: Settings) -> None:
     async def on_inventories(batch: list[bus.Delivery]) -> None:
         """A batch of inventories, in one transaction of two statements; of one sled's, the newest counts.
         Fenced by (boot number, sequence): an inventory from before a reboot, redelivered after it,
-        changes nothing. A reboot is known from a later boot number, and reconciled at once."""
+        changes nothing. A reboot is known from a later boot number, and reconciled at once. When the
+        sled made it (its envelope's time) is kept with its VMMs: the evidence stuck orders need."""
         invs = SledInventory.newest([d.body for d in batch])
+        made = {(d.body.sled_id, d.body.boot_number, d.body.seq): d.env.time for d in batch}
         async with pool.acquire() as conn, conn.transaction():
             held = await conn.fetch(Q["sleds_lock"], [i.sled_id for i in invs])
             before = {r["id"]: r["boot_number"] for r in held}
@@ -52,6 +54,7 @@ async def main(settings: Settings) -> None:
                 [i.boot_number for i in invs],
                 [i.seq for i in invs],
                 [json.dumps([v.model_dump(mode="json") for v in i.vmms]) for i in invs],
+                [made[i.sled_id, i.boot_number, i.seq] for i in invs],
             )
         telemetry.count("inventories.applied", len(applied))
         telemetry.count("inventories.stale", len(batch) - len(applied))

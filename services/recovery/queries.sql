@@ -28,14 +28,16 @@ SELECT id, boot_number FROM sleds WHERE id = ANY($1::text[]) ORDER BY id FOR UPD
 -- name: sleds_apply_inventories
 -- The inventory fence, for one inventory per sled ($1 sorted): only a strictly newer (boot number,
 -- sequence) is written; an older one (a redelivery from before a reboot) changes nothing. $5: each
--- sled's VMMs, as JSON text. Returns the sleds written, with the boot now held.
-INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vmms)
-SELECT u.id, u.boot_id, u.boot_number, u.seq, u.vmms::jsonb
-FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[], $5::text[]) AS u (id, boot_id, boot_number, seq, vmms)
+-- sled's VMMs, as JSON text; $6: when the sled made each inventory. Returns the sleds written, with the
+-- boot now held.
+INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vmms, inventory_made_at)
+SELECT u.id, u.boot_id, u.boot_number, u.seq, u.vmms::jsonb, u.made_at
+FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[], $5::text[], $6::timestamptz[])
+    AS u (id, boot_id, boot_number, seq, vmms, made_at)
 ORDER BY 1
 ON CONFLICT (id) DO UPDATE
 SET boot_id = EXCLUDED.boot_id, boot_number = EXCLUDED.boot_number, inventory_seq = EXCLUDED.inventory_seq,
-    vmms = EXCLUDED.vmms, last_inventory_at = now()
+    vmms = EXCLUDED.vmms, inventory_made_at = EXCLUDED.inventory_made_at, last_inventory_at = now()
 WHERE (sleds.boot_number, sleds.inventory_seq) < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
 RETURNING id, boot_number;
 
@@ -63,18 +65,29 @@ WHERE i.target_vmm_id IS NOT NULL AND i.target_vmm_boot_number < s.boot_number
 ORDER BY 1;
 
 -- name: stuck
--- Reconciler 1: instances starting or stopping for longer than the timeout ($1 s) on a sled that still
--- answers (its inventory is fresher than $2 s). A sled that went quiet is left alone: its instances'
--- health is unknown, not failed. A migration that takes too long is called off by losing its target
--- (the instance runs on where it was).
-SELECT i.id, i.generation, i.state,
-       CASE WHEN i.state = 'migrating' THEN i.target_vmm_id ELSE i.active_vmm_id END AS vmm_id
-FROM instances i JOIN sleds s ON s.id = i.sled_id
-WHERE ((i.state IN ('starting', 'stopping') AND i.active_vmm_id IS NOT NULL)
-       OR (i.state = 'migrating' AND i.target_vmm_id IS NOT NULL))
-  AND i.changed_at < now() - make_interval(secs => $1)
-  AND s.last_inventory_at > now() - make_interval(secs => $2)
-ORDER BY i.id;
+-- Reconciler 1: instances starting, stopping or migrating for longer than the timeout ($1 s), each with
+-- the sled its awaited VMM is on (a migration's target's) and what that sled's latest inventory says:
+-- whether it was made over the timeout after the instance's last change (`judged`: before that it is no
+-- evidence), and the VMM's state in it (`shown`, NULL: not listed). Only sleds that still answer (an
+-- inventory fresher than $2 s): a sled that went quiet is left alone, its instances' health unknown, not
+-- failed. The reconciler orders only those its picture judges stuck (orders.shows_awaited); a migration
+-- that takes too long is called off by losing its target (the instance runs on where it was).
+SELECT c.id, c.generation, c.state, c.vmm_id, c.vmm_sled_id,
+       coalesce(s.inventory_made_at > c.changed_at + make_interval(secs => $1), false) AS judged,
+       (SELECT v ->> 'state' FROM jsonb_array_elements(s.vmms) v
+        WHERE v ->> 'vmm_id' = c.vmm_id::text LIMIT 1) AS shown
+FROM (
+    SELECT i.id, i.generation, i.state, i.changed_at,
+           CASE WHEN i.state = 'migrating' THEN i.target_vmm_id ELSE i.active_vmm_id END AS vmm_id,
+           CASE WHEN i.state = 'migrating' THEN i.target_sled_id ELSE i.sled_id END AS vmm_sled_id
+    FROM instances i
+    WHERE ((i.state IN ('starting', 'stopping') AND i.active_vmm_id IS NOT NULL)
+           OR (i.state = 'migrating' AND i.target_vmm_id IS NOT NULL))
+      AND i.changed_at < now() - make_interval(secs => $1)
+) c
+JOIN sleds s ON s.id = c.vmm_sled_id
+WHERE s.last_inventory_at > now() - make_interval(secs => $2)
+ORDER BY c.id;
 
 -- name: unexpected_now
 -- Reconciler 1: VMMs that a sled's latest inventory lists but that no instance expects.

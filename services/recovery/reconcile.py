@@ -6,8 +6,10 @@ point, repeated, or run by two replicas at once: the next pass converges.
 Reconciler 1, "what runs where" (runs_where):
   - a VMM placed on an earlier boot of its sled than the sled's latest is lost (the sled rebooted): its
     instance fails, at once;
-  - an instance starting or stopping past the timeout, on a sled that still answers, is lost likewise;
-    a migration past the timeout is called off (its target is lost; the instance runs on its source);
+  - an instance starting or stopping past the timeout, on a sled that still answers and whose latest
+    inventory (made past the timeout) does not show what it waits for (its VMM running, or gone for a
+    stop), is lost likewise; a migration so judged on its target's sled is called off (its target is
+    lost; the instance runs on its source). An inventory that shows it means a late report: no order;
   - a VMM a sled runs but nobody expects, for longer than a grace period, is destroyed (a zombie).
 Reconciler 2, "bring them back" (bring_back):
   - a failed instance whose policy is best_effort and that is meant to run is started again, through the
@@ -45,7 +47,7 @@ from shared.messages import (
     VmmStuck,
     VmmZombie,
 )
-from shared.messages.orders import LOST_BATCH
+from shared.messages.orders import LOST_BATCH, shows_awaited
 
 log = logging.getLogger(__name__)
 SOURCE = "recovery"
@@ -186,7 +188,14 @@ class Reconciler:
         return len(stale)
 
     async def stuck_instances(self) -> int:
+        """Order a VMM stuck only when this picture has the sled's evidence: an inventory made past the
+        timeout after the instance's last change that does not show what the instance waits for. One
+        that shows it means a late report, not a stuck VMM: no order (instance-manager would refuse it,
+        and a migration's target may be the instance's only copy)."""
         rows = await self.pool.fetch(Q["stuck"], transition_timeout(), sled_unknown_after())
+        late = [r for r in rows if r["judged"] and shows_awaited(r["state"], r["shown"])]
+        stuck = [r for r in rows if r["judged"] and not shows_awaited(r["state"], r["shown"])]
+        telemetry.count("reconcile.stuck_reports_late", len(late))
         subject = subjects.command(None, "vmm", "stuck")
         await self._ask_all(
             (
@@ -196,9 +205,9 @@ class Reconciler:
                 ),
                 "stuck",
             )
-            for r in rows
+            for r in stuck
         )
-        return len(rows)
+        return len(stuck)
 
     async def zombies(self) -> int:
         unexpected = await self.pool.fetch(Q["unexpected_now"])

@@ -1,5 +1,5 @@
 """The simulator process: N sleds, each consuming its own command subject and publishing its inventory,
-and the simulator's control requests (faults, reboot, freeze, thaw, add, remove)."""
+and the simulator's control requests (faults, reboot, freeze, thaw, capacity, add, remove)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from shared.messages import (
     VmmStop,
     schema_of,
 )
+from shared.messages.simulator import SimSledCapacity
 from shared.service import connect_bus, run_forever, serve_faults, serve_stats
 
 log = logging.getLogger(__name__)
@@ -112,19 +113,28 @@ class Simulator:
 async def command_loop(sled: Sled, idle_wait: float) -> None:
     """The sled's orders. An idle sled waits `idle_wait` (its inventory interval) for one before asking
     again: thousands of sleds asking every second would load the broker more than all their inventories
-    do, and after a broker restart a sled is no later to take its orders than to report."""
+    do, and after a broker restart a sled is no later to take its orders than to report.
+
+    A command is acknowledged (when `handle` returns) only once its effect is on the sled's disk: a crash
+    after the ack loses nothing, and one before it has the command redelivered, which changes nothing
+    it already did (every command is idempotent by VMM id)."""
 
     async def handle(env: Envelope, body: Any, msg: Msg) -> None:
         if not sled.reachable:
             raise bus.Retry("sled is frozen or cut off", delay=1.0)
-        if isinstance(body, VmmEnsure):
-            await sled.ensure(body)
-        elif isinstance(body, VmmStop):
-            await sled.stop(body)
-        elif isinstance(body, VmmMigrate):
-            await sled.migrate(body)
-        elif isinstance(body, VmmDestroy):
-            await sled.destroy(body)
+        sled.naming = schema_of(body)[0].removeprefix("rp.sled.")  # crash point sled-agent:write:vmm.stop...
+        try:
+            if isinstance(body, VmmEnsure):
+                await sled.ensure(body)
+            elif isinstance(body, VmmStop):
+                await sled.stop(body)
+            elif isinstance(body, VmmMigrate):
+                await sled.migrate(body)
+            elif isinstance(body, VmmDestroy):
+                await sled.destroy(body)
+        finally:
+            sled.naming = None
+        sled.persist()
 
     await bus.Consumer(
         sled.js,
@@ -168,8 +178,8 @@ async def inventory_loop(sim: Simulator, interval: float) -> None:
 
 
 async def serve_control(nc: Any, sim: Simulator) -> None:
-    """Simulator control: `rp.sim.faults.set`, `rp.sim.sled.<verb>` and `rp.sim.rack.reboot`
-    (request/reply)."""
+    """Simulator control: `rp.sim.faults.set`, `rp.sim.sled.<verb>` (`rp.sim.sled.capacity` among them)
+    and `rp.sim.rack.reboot` (request/reply)."""
 
     async def set_faults(body: SimFaults, msg: Msg) -> dict[str, Any]:
         sled = sim.get(body.sled_id)
@@ -204,6 +214,12 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         await announce(sled)
         return sled.describe()
 
+    async def capacity(body: SimSledCapacity, msg: Msg) -> dict[str, Any]:
+        sled = sim.get(body.sled_id)
+        sled.set_capacity(body.vcpus, body.ram_bytes)
+        await announce(sled)
+        return sled.describe()
+
     async def partition(body: SimSledPartition, msg: Msg) -> dict[str, Any]:
         sled = sim.get(body.sled_id)
         sled.partition(True)
@@ -233,6 +249,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         SimRackReboot: rack_reboot,
         SimSledFreeze: freeze,
         SimSledThaw: thaw,
+        SimSledCapacity: capacity,
         SimSledPartition: partition,
         SimSledHeal: heal,
         SimSledRemove: remove,

@@ -8,7 +8,11 @@ A migration is the one thing two sleds do together: the target VMM waits (`migra
 and the source, told to migrate, hands over to it directly (the simulator's sleds share a process, and
 `peer` stands for the network between them); the target then runs and the source ends, reporting where
 its instance went. A target that waits too long fails; a source whose target is gone, or never shows up,
-runs on.
+runs on. The hand-over touches two sleds' files, written in this order, at once: the target's (running,
+from that source) and then the source's (ended). The target's write is the commit point: a crash before
+it leaves both as they were (the source resumes the hand-over, which it recorded with its target), a
+crash after it leaves a source that, on loading, finds its target running from it and ends, so the
+guest is on exactly one sled whatever the crash point. The other order would lose it on both sleds.
 
 A sled keeps its state (boot number and id, VMMs) in a small file, so that a restart of the simulator
 process is not a reboot of its sleds: same boot, same VMMs. The boot number only grows, by one at each
@@ -18,10 +22,12 @@ could only say "different". The sled also keeps its boot history, the hardware's
 boot began, which the invariant checker holds the control plane's failures against. Changes are written
 in batches (one write covers every change of the last few milliseconds, as a database's group commit
 does), and a report leaves only once the state it reports is on disk: a sled never reports what a restart
-would make it forget. A reboot is something else: a new boot, and every VMM gone, without a word about
-them (a real sled does not report what it lost). A rack-wide reboot writes every sled's new boot in one
-file (`rack_boots`), not 5,000: each sled's own file catches up with its next change, and loading takes
-the newer boot of the two.
+would make it forget. A command is acknowledged only once its effect is on disk too (`persist`, before
+the ack: a crash after the ack loses nothing, one before it has the command redelivered, and every
+command is idempotent by VMM id). A reboot is something else: a new boot, and every VMM gone, without a
+word about them (a real sled does not report what it lost). A rack-wide reboot writes every sled's new
+boot in one file (`rack_boots`), not 5,000: each sled's own file catches up with its next change, and
+loading takes the newer boot of the two.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from nats.js import JetStreamContext
 
 from shared import bus, subjects, telemetry
 from shared.config import inventory_ttl
+from shared.crash import crash_point
 from shared.messages import (
     InventoryVmm,
     SimFaults,
@@ -81,6 +88,9 @@ class SimVmm:
     """A migration target: the source VMM it waits for."""
     migrated_to: uuid.UUID | None = None
     """A migration source that handed over: the VMM its instance went to."""
+    target_sled_id: str | None = None
+    target_vmm_id: uuid.UUID | None = None
+    """A migration source handing over: where to (on disk, so that a restarted simulator finishes it)."""
 
 
 @dataclass
@@ -111,6 +121,9 @@ class Sled:
     vmms: dict[uuid.UUID, SimVmm] = field(default_factory=dict)
     ended: dict[uuid.UUID, None] = field(default_factory=dict)
     faults: SimFaults | None = None
+    capacity_vcpus: int | None = None
+    capacity_ram_bytes: int | None = None
+    """What the sled reports instead of `vcpus` and `ram_bytes` (made with), if set: rp.sim.sled.capacity."""
     peer: Callable[[str], Sled | None] | None = None
     """Another sled by id (None if there is no such sled): where a migration hands over to."""
     frozen: bool = False
@@ -122,6 +135,10 @@ class Sled:
     """State changes so far; `_saved` of them are on disk."""
     _saved: int = 0
     _on_disk: asyncio.Event = field(default_factory=asyncio.Event)
+    naming: str | None = None
+    """The name of the changes being made (a command's verb), for the crash points below."""
+    _named: set[str] = field(default_factory=set)
+    """Names of unwritten changes: the write that carries them passes `sled-agent:write:<name>` first."""
     _writer: asyncio.Task[None] | None = None
     js: JetStreamContext = field(init=False)
 
@@ -176,8 +193,9 @@ class Sled:
         vmm = self.vmms.get(cmd.vmm_id)
         if vmm is None or vmm.state is not VmmState.running or self._drops_commands():
             return  # gone, not running, or handing over already (a repeated command)
+        vmm.target_sled_id, vmm.target_vmm_id = cmd.target_sled_id, cmd.target_vmm_id
         self._transition(vmm, VmmState.migrating)
-        self._spawn(self._hand_over(vmm, cmd))
+        self._spawn(self._hand_over(vmm))
 
     async def stop(self, cmd: VmmStop) -> None:
         vmm = self.vmms.get(cmd.vmm_id)
@@ -215,7 +233,7 @@ class Sled:
         if vmm.state is VmmState.stopping and self.vmms.get(vmm.vmm_id) is vmm:
             self._transition(vmm, VmmState.stopped)
 
-    async def _hand_over(self, vmm: SimVmm, cmd: VmmMigrate) -> None:
+    async def _hand_over(self, vmm: SimVmm) -> None:
         """Try until the target is there to take over, the target is gone, or time runs out."""
         deadline = asyncio.get_running_loop().time() + self.timing.migrate_timeout
         while asyncio.get_running_loop().time() < deadline:
@@ -223,23 +241,45 @@ class Sled:
             await self._thawed.wait()
             if self.vmms.get(vmm.vmm_id) is not vmm or vmm.state is not VmmState.migrating:
                 return  # destroyed, or lost in a reboot, meanwhile
-            peer = self.peer(cmd.target_sled_id) if self.peer else None
-            if peer is None or cmd.target_vmm_id in peer.ended:
+            assert vmm.target_sled_id is not None and vmm.target_vmm_id is not None
+            peer = self.peer(vmm.target_sled_id) if self.peer else None
+            if peer is None or vmm.target_vmm_id in peer.ended:
                 break  # the target is gone: nothing to hand over to
-            target = peer.vmms.get(cmd.target_vmm_id)
+            target = peer.vmms.get(vmm.target_vmm_id)
             if not (self.reachable and peer.reachable) or target is None:
                 continue  # not reachable, or not there yet
             if target.state is not VmmState.migrating or target.migrate_from != vmm.vmm_id:
                 break
-            # The hand-over itself: one step of the event loop, so neither side sees it half done.
+            # The hand-over itself: one step of the event loop, so neither side sees it half done, and
+            # two writes, the target's first (the commit point: see the module's docstring).
             telemetry.count("sled.migrations")
-            peer._transition(target, VmmState.running)
-            vmm.migrated_to = target.vmm_id
-            self._transition(vmm, VmmState.destroyed)
+            peer._transition(target, VmmState.running, now=True, name="handover-target")
+            self._handed_over(vmm, target)
             return
         if self.vmms.get(vmm.vmm_id) is vmm and vmm.state is VmmState.migrating:
             telemetry.count("sled.migrations_abandoned")
+            vmm.target_sled_id = vmm.target_vmm_id = None
             self._transition(vmm, VmmState.running)
+
+    def _handed_over(self, vmm: SimVmm, target: SimVmm) -> None:
+        """The source's end, once its target is on disk as running: written at once."""
+        vmm.migrated_to = target.vmm_id
+        self._transition(vmm, VmmState.destroyed, now=True, name="handover-source")
+
+    def _resume_hand_over(self, vmm: SimVmm) -> bool:
+        """A source found handing over after a restart: if its target's file says it took over (the crash
+        came between the two writes), end, as the hand-over would have; else hand over again. True if it
+        ended."""
+        assert vmm.target_sled_id is not None
+        peer = self.peer(vmm.target_sled_id) if self.peer else None
+        target = peer.vmms.get(vmm.target_vmm_id) if peer is not None and vmm.target_vmm_id else None
+        took_over = target is not None and target.state is not VmmState.migrating
+        if target is not None and took_over and target.migrate_from == vmm.vmm_id:
+            telemetry.count("sled.migrations_finished_on_resume")
+            self._handed_over(vmm, target)
+            return True
+        self._spawn(self._hand_over(vmm))
+        return False
 
     async def _await_handover(self, vmm: SimVmm) -> None:
         await asyncio.sleep(self.timing.migrate_timeout)
@@ -248,13 +288,13 @@ class Sled:
             telemetry.count("sled.migrations_timed_out")
             self._transition(vmm, VmmState.failed)
 
-    def _transition(self, vmm: SimVmm, state: VmmState) -> None:
+    def _transition(self, vmm: SimVmm, state: VmmState, now: bool = False, name: str | None = None) -> None:
         vmm.state = state
         vmm.generation += 1
         if state.terminal:
             self.vmms.pop(vmm.vmm_id, None)
             self._forget(vmm.vmm_id)
-        self._save()
+        self._save(now, name)
         self._report(vmm)
 
     def _forget(self, vmm_id: uuid.UUID) -> None:
@@ -300,6 +340,20 @@ class Sled:
             self._connected.clear()
         else:
             self._connected.set()
+
+    def set_capacity(self, vcpus: int | None, ram_bytes: int | None) -> None:
+        """Report this capacity from the next inventory on (None: what the sled was made with), as a sled
+        that lost cores or DIMMs, or got them back, would. Written at once: it is announced at once."""
+        self.capacity_vcpus, self.capacity_ram_bytes = vcpus, ram_bytes
+        self._save(now=True)
+
+    @property
+    def reported_vcpus(self) -> int:
+        return self.vcpus if self.capacity_vcpus is None else self.capacity_vcpus
+
+    @property
+    def reported_ram_bytes(self) -> int:
+        return self.ram_bytes if self.capacity_ram_bytes is None else self.capacity_ram_bytes
 
     def shut_down(self) -> None:
         for t in [*self._tasks, self._writer]:
@@ -382,8 +436,8 @@ class Sled:
             boot_id=self.boot_id,
             boot_number=self.boot_number,
             seq=self.next_seq(),
-            vcpus=self.vcpus,
-            ram_bytes=self.ram_bytes,
+            vcpus=self.reported_vcpus,
+            ram_bytes=self.reported_ram_bytes,
             vmms=[
                 InventoryVmm(
                     vmm_id=v.vmm_id, instance_id=v.instance_id, state=v.state, generation=v.generation
@@ -410,9 +464,11 @@ class Sled:
 
     # --- persistence across simulator restarts ---
 
-    def _save(self, now: bool = False) -> None:
+    def _save(self, now: bool = False, name: str | None = None) -> None:
         """Count a state change; write it with the next batch (`now`: before returning)."""
         self._changes += 1
+        if (name := name or self.naming) is not None and self.state_dir is not None:
+            self._named.add(name)  # a command's verb, `handover-target`, `handover-source`
         if self.state_dir is None:
             self._saved = self._changes
         elif now:
@@ -425,6 +481,12 @@ class Sled:
             await asyncio.sleep(SAVE_BATCH)
             self._write()
 
+    def persist(self) -> None:
+        """Write every change so far now, if any is not on disk yet: what a command did, before its ack.
+        Not batched: the sled takes one command at a time, so a batch would only delay the ack."""
+        if self.state_dir is not None and self._saved < self._changes:
+            self._write()
+
     async def _durable(self, change: int) -> None:
         while self._saved < change:
             self._on_disk.clear()
@@ -433,10 +495,14 @@ class Sled:
     def _write(self) -> None:
         assert self.state_dir is not None
         change = self._changes
+        for name in self._named:  # every named change so far: this write carries them all
+            crash_point(f"sled-agent:write:{name}")
+        self._named.clear()
         state = {
             "sled_id": self.sled_id,
             "vcpus": self.vcpus,
             "ram_bytes": self.ram_bytes,
+            "capacity": [self.capacity_vcpus, self.capacity_ram_bytes],
             "boot_id": str(self.boot_id),
             "boot_number": self.boot_number,
             "seq_reserved": self.seq_reserved,
@@ -450,6 +516,8 @@ class Sled:
                     "state": v.state.value,
                     "generation": v.generation,
                     "migrate_from": str(v.migrate_from) if v.migrate_from else None,
+                    "target_sled_id": v.target_sled_id,
+                    "target_vmm_id": str(v.target_vmm_id) if v.target_vmm_id else None,
                 }
                 for v in self.vmms.values()
             ],
@@ -485,6 +553,7 @@ class Sled:
         sled.boot_number = state.get("boot_number", 1)
         sled.seq = sled.seq_reserved = state.get("seq_reserved", 0)  # never reuse one handed out before
         sled.boots = state.get("boots") or sled.boots
+        sled.capacity_vcpus, sled.capacity_ram_bytes = state.get("capacity") or (None, None)
         for v in state["vmms"]:
             vmm = SimVmm(
                 uuid.UUID(v["vmm_id"]),
@@ -494,14 +563,20 @@ class Sled:
                 VmmState(v["state"]),
                 v["generation"],
                 uuid.UUID(v["migrate_from"]) if v.get("migrate_from") else None,
+                target_sled_id=v.get("target_sled_id"),
+                target_vmm_id=uuid.UUID(v["target_vmm_id"]) if v.get("target_vmm_id") else None,
             )
             sled.vmms[vmm.vmm_id] = vmm
         sled.ended = {uuid.UUID(v): None for v in state["ended"]}
         return sled
 
     def resume(self) -> None:
-        """After a simulator restart: finish what was under way, and report every VMM's state again."""
+        """After a simulator restart: finish what was under way, and report every VMM's state again. Every
+        sled is loaded before any resumes: a migration source looks at its target's sled."""
         for vmm in list(self.vmms.values()):
+            if vmm.state is VmmState.migrating and vmm.target_vmm_id is not None:
+                if self._resume_hand_over(vmm):
+                    continue  # ended, and reported so
             self._report(vmm)
             if vmm.state is VmmState.starting:
                 self._spawn(self._finish_start(vmm))
@@ -509,8 +584,8 @@ class Sled:
                 self._spawn(self._finish_stop(vmm))
             elif vmm.state is VmmState.migrating and vmm.migrate_from is not None:
                 self._spawn(self._await_handover(vmm))
-            elif vmm.state is VmmState.migrating:
-                self._transition(vmm, VmmState.running)  # the hand-over died with the process: run on
+            elif vmm.state is VmmState.migrating and vmm.target_vmm_id is None:
+                self._transition(vmm, VmmState.running)  # a file from before targets were kept: run on
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -518,8 +593,10 @@ class Sled:
             "boot_id": str(self.boot_id),
             "boot_number": self.boot_number,
             "boots": self.boots,
-            "vcpus": self.vcpus,
-            "ram_bytes": self.ram_bytes,
+            "vcpus": self.reported_vcpus,
+            "ram_bytes": self.reported_ram_bytes,
+            "nominal_vcpus": self.vcpus,
+            "nominal_ram_bytes": self.ram_bytes,
             "frozen": self.frozen,
             "partitioned": self.partitioned,
             "vmms": len(self.vmms),

@@ -82,13 +82,25 @@ class VmmLostV2(Model):
 @message("rp.cmd.vmm.stuck")
 class VmmStuck(Model):
     """The instance has been `state` (starting, stopping or migrating) past the transition timeout on a
-    sled that answers. Applied only while it is still so, at `generation`, by instance-manager's own clock
-    and records; for a migration, `vmm_id` is the target, and the move is called off."""
+    sled that answers, and that sled's latest inventory, made past the timeout after it was asked, does
+    not show what the instance waits for (`shows_awaited`). Applied only while all of that still holds
+    by instance-manager's own clock, records and inventories, at `generation`; for a migration, `vmm_id`
+    is the target, and the move is called off."""
 
     instance_id: uuid.UUID
     generation: Generation
     vmm_id: uuid.UUID
     state: Literal["starting", "stopping", "migrating"]
+
+
+def shows_awaited(state: str, shown: str | None) -> bool:
+    """Whether a sled's inventory that lists an instance's VMM as `shown` (None: not listed; a sled lists
+    only the VMMs it has not ended) shows what the instance, `state`, waits for: the VMM running, for a
+    start or a migration's target; gone, for a stop. If it does, the VMM is not stuck: its report is
+    late. The one rule for recovery's stuck orders and instance-manager's check of them."""
+    if state == "stopping":
+        return shown is None or shown in ("stopped", "failed", "destroyed")
+    return shown == "running"
 
 
 @message("rp.cmd.vmm.zombie")

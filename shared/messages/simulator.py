@@ -1,5 +1,5 @@
 """Simulator control (request/reply, rp.sim.*): what an operator or a test asks of sled-agent's simulated
-sleds (faults, reboots, freezes, partitions, adding and removing sleds).
+sleds (faults, reboots, freezes, partitions, capacity, adding and removing sleds).
 
 Apart from the sled schemas because a real sled would take none of these: they exist only to put the
 control plane under the failures a rack has.
@@ -15,6 +15,7 @@ from shared.messages.base import (
     ReportDelayCount,
     ReportDelaySeconds,
     SimSledRam,
+    SledRam,
     SledVcpus,
     message,
 )
@@ -87,3 +88,15 @@ class SimSledRemove(SimSledRef):
 class SimSledAdd(Model):
     vcpus: SledVcpus = 64
     ram_bytes: SimSledRam = 256 * 2**30
+
+
+@message("rp.sim.sled.capacity")
+class SimSledCapacity(SimSledRef):
+    """The sled reports this capacity from its next inventory on, and sends one at once.
+
+    As a sled that lost cores or DIMMs (or got them back) would: the control plane must cope with a sled
+    that holds more than it now says it has. Replaces the last one; a field left null is what the sled
+    was made with (both null: restored). Kept across simulator restarts; the simulator enforces none."""
+
+    vcpus: SledVcpus | None = None
+    ram_bytes: SledRam | None = None

@@ -1,16 +1,20 @@
 """The seeded chaos scenario: random operator commands under random faults, then quiesce and check.
 
-Random operator commands (create, start, stop, migrate, delete, pool picks, sled reboots, one expunge)
-run from a few concurrent workers while faults are injected. All run long, every service's bus is under
-one kind of fault after another (delay, duplicate, reorder, drop a first attempt, hold acks, slow
-handlers, and on the requests they answer, duplicated, late and dropped replies), and so are the
-simulated sleds' reports; the workers add held acks and redeliveries of a sled's inventories around its
-reboot, sled partitions, kill -9 of any service (restarted a moment
+Random operator commands (create, start, stop, migrate, delete, pool picks, pool resizes and deletes,
+sled reboots, one expunge) run from a few concurrent workers while faults are injected. All run long,
+every service's bus is under one kind of fault after another (delay, duplicate, reorder, drop a first
+attempt, hold acks, slow handlers, and on the requests they answer, duplicated, late and dropped
+replies), and so are the simulated sleds' reports; the workers add held acks and redeliveries of a
+sled's inventories around its reboot, sled partitions, kill -9 of any service (restarted a moment
 later), restarts of nats-server (stopped, or killed with SIGKILL), an outage of the broker longer than its
-dedupe window, and restarts of PostgreSQL. Then every fault is lifted, the system is left to settle, and
+dedupe window, and restarts of PostgreSQL. And what issue 28 found a healthy rack does to itself: a rogue
+sled identity flooding reports about other sleds' VMMs, a sled's reports held past the transition
+timeout, a sled shrinking its capacity below what is reserved on it, instance-manager's database
+connections (the saga locks' among them) killed, and pools resized and deleted in a silo whose quota
+refuses their starts. Then every fault is lifted, the system is left to settle, and
 the invariant checker must find nothing. The report counts the faults each process injected (its
-counters, sampled every second). Every choice comes from one seed, so a run's sequence of operations can
-be replayed (the timing, on a real machine, cannot be).
+counters, sampled every second) and the scenario's own. Every choice comes from one seed, so a run's
+sequence of operations can be replayed (the timing, on a real machine, cannot be).
 """
 
 from __future__ import annotations
@@ -21,32 +25,45 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
+import nats.errors
 
 from deploy.stack import Stack
 from rackctl.check import check_each
 from rackctl.client import Client
+from shared import bus, subjects
 from shared.bus import CommandError
 from shared.messages import (
     AutoRestart,
     DelayFault,
     DuplicateFault,
     HoldAcksFault,
+    Quota,
     ReorderFault,
     RequestFault,
     ServiceFaults,
     SimFaults,
+    VmmReport,
     VmmState,
 )
+from shared.messages.base import MAX_HOLD_SECONDS
+from shared.messages.simulator import SimSledCapacity
+from tests.conftest import connect_as
 
 GiB = 2**30
 SILO, PROJECT, POOL = "chaos", "p", "warm"
+TIGHT, TIGHT_POOL, HOG = "tight", "cold", "hog"
+"""A silo whose vCPU quota (TIGHT_QUOTA) its pool does not fit beside its one instance (HOG): the keeper's
+starts are refused, and the pool is resized and deleted meanwhile, at times just as the hog's stop makes
+room (issue 28, finding 3: the keeper's leak)."""
+TIGHT_QUOTA = 3
 
 # How fast the stack under chaos notices and repairs: short, so that a run settles in seconds.
 CHAOS_ENV = {
     "RACKPLANE_SLEDS": "5",
-    "RACKPLANE_TRANSITION_TIMEOUT": "5",
+    "RACKPLANE_TRANSITION_TIMEOUT": "4",  # below the longest a service fault holds a message (5 s)
     "RACKPLANE_RESTART_COOLDOWN": "1",
     "RACKPLANE_ZOMBIE_GRACE": "3",
     "RACKPLANE_SLED_UNKNOWN_AFTER": "3",
@@ -61,7 +78,11 @@ WEIGHTS = {
     "create": 14, "start": 20, "stop": 14, "migrate": 8, "delete": 5, "pick": 5,
     "reboot": 3, "expunge": 1, "partition": 3, "kill": 5, "restart_broker": 1, "kill_broker": 1,
     "long_outage": 1, "restart_database": 1,
+    "rogue_sled": 2, "hold_reports": 2, "shrink": 2, "kill_db_connections": 2, "pool_churn": 4,
 }  # fmt: skip
+ISSUE_28 = ("rogue_sled", "hold_reports", "shrink", "kill_db_connections", "pool_churn")
+"""The operations that bring what issue 28 found: left out where replicas of a release from before its fixes
+take part (their bugs are that release's, not today's)."""
 WEATHER = ("instance-manager", "accounting", "recovery", "sled-agent")
 """Services whose buses carry faults all run long, one kind after another (the simulated sleds, too)."""
 LONG_OUTAGES = 2
@@ -105,9 +126,13 @@ class Scenario:
     seed: int
     duration: float
     workers: int = 5
+    weights: dict[str, int] = field(default_factory=lambda: dict(WEIGHTS))
+    """How often each operation is drawn (WEIGHTS, unless given)."""
     report: Report = field(init=False)
     names: list[str] = field(default_factory=list)
     expunged: set[str] = field(default_factory=set)
+    shrunk: set[str] = field(default_factory=set)
+    """Sleds left reporting less than they were made with (op_shrink), until picked again."""
     _next: int = 0
     _start: float = 0.0
     _infra: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -126,6 +151,12 @@ class Scenario:
         await self.client.silo_create(SILO)
         await self.client.project_create(SILO, PROJECT)
         await self.client.pool_create(SILO, PROJECT, POOL, size=3, vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+        await self.client.silo_create(TIGHT, Quota(vcpus=TIGHT_QUOTA))
+        await self.client.project_create(TIGHT, PROJECT)
+        await self.client.instance_create(TIGHT, PROJECT, HOG, vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+        await self.client.instance("start", TIGHT, PROJECT, HOG)
+        await self._until(TIGHT, HOG, "running", 20)
+        await self._tight_pool(TIGHT_QUOTA + 1)
 
     async def run(self) -> Report:
         await self.setup()
@@ -148,7 +179,7 @@ class Scenario:
 
     async def worker(self, w: int) -> None:
         rng = random.Random(self.seed * 1000 + w)
-        ops, weights = zip(*WEIGHTS.items(), strict=True)
+        ops, weights = zip(*self.weights.items(), strict=True)
         while time.monotonic() - self._start < self.duration:
             op = rng.choices(ops, weights)[0]
             self.report.ops[op] += 1
@@ -257,6 +288,252 @@ class Scenario:
         await asyncio.sleep(rng.uniform(1, 4))
         await self.client.sim_sled("heal", sled)
         return sled
+
+    async def op_rogue_sled(self, rng: random.Random) -> str:
+        """A rogue sled identity (one sled's credential, as a compromised or buggy agent holds it) floods,
+        for a few seconds, reports on its own subject about other sleds' live VMMs, mostly those in a
+        transition (whose real report is on its way, so that forged and real share a fetched batch):
+        failed or stopped, with generations far ahead. They must change nothing, and be dead-lettered
+        (issue 28, finding 2)."""
+        rogue = self._sled(rng)
+        try:
+            nc = await connect_as(self.stack, rogue)
+        except (OSError, ConnectionError, nats.errors.Error) as e:
+            return f"{rogue} (broker away: {type(e).__name__})"
+        sent, seen = 0, set()
+        try:
+            js = nc.jetstream()
+            until = time.monotonic() + rng.uniform(2, 5)
+            while time.monotonic() < until:
+                me, victims = await self._victims(rogue)
+                if me is None or not victims:
+                    await asyncio.sleep(0.2)
+                    continue
+                weights = [20 if v["state"] in ("starting", "stopping", "migrating") else 1 for v in victims]
+                for _ in range(25):
+                    v = rng.choices(victims, weights)[0]
+                    seen.add(v["id"])
+                    forged = VmmReport(
+                        sled_id=rogue,
+                        boot_id=me["boot_id"],
+                        boot_number=max(me["boot_number"] or 1, v["boot_number"] or 1),
+                        seq=10**9 + rng.randint(0, 10**9),
+                        vmm_id=v["id"],
+                        instance_id=v["instance_id"],
+                        state=rng.choice([VmmState.failed, VmmState.stopped]),
+                        generation=10**6 + rng.randint(0, 10**6),
+                    )
+                    await bus.publish(js, subjects.sled_report(rogue, "vmm"), forged, source="sled-agent")
+                    sent += 1
+                    await asyncio.sleep(0.005)
+        except (OSError, ConnectionError, nats.errors.Error, asyncpg.PostgresError) as e:
+            return f"{rogue}, {sent} forged reports, then the broker went away ({type(e).__name__})"
+        finally:
+            await nc.close()
+            self.report.faults["rogue sled floods"] += 1
+            self.report.faults["rogue sled reports"] += sent
+        return f"{rogue}, {sent} forged reports about {len(seen)} VMMs of other sleds"
+
+    async def _victims(self, rogue: str) -> tuple[Any, list[Any]]:
+        """The rogue sled's boot as instance-manager holds it, and the other sleds' live VMMs."""
+        async with self.db.acquire() as conn:
+            me = await conn.fetchrow(
+                "SELECT boot_id, boot_number FROM instance_manager.sleds "
+                "WHERE id = $1 AND boot_id IS NOT NULL",
+                rogue,
+            )
+            victims = await conn.fetch(
+                "SELECT id, instance_id, boot_number, state FROM instance_manager.vmms "
+                "WHERE ended_at IS NULL AND sled_id <> $1",
+                rogue,
+            )
+        return me, victims
+
+    async def op_hold_reports(self, rng: random.Random) -> str:
+        """A sled's VMM reports held past the transition timeout while its inventories (which already show
+        the VMM's state) flow: half the time by the sled itself (a backlog of up to 12 s), else in
+        sled-agent's bus (a service fault, at most 5 s). A start must not be judged stuck for a report
+        that is only late (issue 28, finding 1)."""
+        sled = self._sled(rng)
+        timeout = float(CHAOS_ENV["RACKPLANE_TRANSITION_TIMEOUT"])
+        if rng.random() < 0.5:
+            held = SimFaults(
+                sled_id=sled,
+                delay_state=rng.choice([None, VmmState.running]),
+                delay_seconds=timeout + rng.uniform(1, 8),
+                delay_count=rng.randint(1, 5),
+            )
+            await self.client.sim_faults(held)
+            self.report.faults["reports held past the transition timeout (sled)"] += 1
+            await asyncio.sleep(rng.uniform(3, 8))
+            await self.client.sim_faults(SimFaults(sled_id=sled))
+            return f"{sled}, by the sled for {held.delay_seconds:.1f}s"
+        late = ServiceFaults(
+            delay=DelayFault(min_seconds=timeout + 0.5, max_seconds=max(timeout + 0.5, MAX_HOLD_SECONDS)),
+            only=[subjects.sled_report(sled, "vmm")],
+            seed=rng.randint(0, 2**31),
+        )
+        async with self._weather["sled-agent"]:
+            await self.client.faults("sled-agent", late.model_copy(update={"clear": True}))
+            self.report.faults["reports held past the transition timeout (bus)"] += 1
+            try:
+                await asyncio.sleep(rng.uniform(3, 8))
+            finally:
+                await self.client.faults("sled-agent", ServiceFaults(clear=True))
+        return f"{sled}, in sled-agent's bus"
+
+    async def op_shrink(self, rng: random.Random) -> str:
+        """A sled reports less capacity than is reserved on it (it lost cores or DIMMs): for a few seconds,
+        or for good (until a later shrink picks it again and gives it back what it was made with; at the
+        end of the run it may still be shrunk: a rack has such sleds). Now and then it reboots meanwhile.
+        Its boots and sequence must still be recorded, its instances failed when it reboots (issue 28,
+        finding 4)."""
+        sled = self._sled(rng)
+        capacity = subjects.sim_control("sled.capacity")
+        if sled in self.shrunk:
+            await self.client.call(capacity, SimSledCapacity(sled_id=sled))
+            self.shrunk.discard(sled)
+            return f"{sled} back to what it was made with"
+        seen = next((s for s in await self.client.sled_list() if s["id"] == sled), None)
+        reserved = seen["reserved_vcpus"] if seen else 0
+        reserved_ram = seen["reserved_ram_bytes"] if seen else 0
+        smaller = SimSledCapacity(  # below what is reserved on it, where anything is
+            sled_id=sled,
+            vcpus=rng.randint(max(1, reserved // 2), max(1, reserved - 1)),
+            ram_bytes=rng.choice([None, max(GiB, reserved_ram - GiB)]),
+        )
+        await self.client.call(capacity, smaller)
+        self.report.faults["sled capacity shrunk"] += 1
+        if rng.random() < 0.4:
+            await asyncio.sleep(rng.uniform(0.5, 2))
+            await self.client.sim_sled("reboot", sled)
+            self.report.faults["sled rebooted while shrunk"] += 1
+        if rng.random() < 0.5:
+            self.shrunk.add(sled)
+            return f"{sled} to {smaller.vcpus} vCPUs ({reserved} reserved), for good"
+        await asyncio.sleep(rng.uniform(2, 6))
+        await self.client.call(capacity, SimSledCapacity(sled_id=sled))
+        return f"{sled} to {smaller.vcpus} vCPUs ({reserved} reserved) for a while"
+
+    async def op_kill_db_connections(self, rng: random.Random) -> str:
+        """pg_terminate_backend on instance-manager's database connections: half the time those holding
+        advisory locks (its pass locks, and its saga locks where sagas are locked so), else every one of its
+        role. A saga whose lock's connection died must not run in two processes at once (issue 28, finding
+        5)."""
+        assert self.stack.admin_database_url is not None
+        which = rng.choice(["advisory-lock holders", "all"])
+        locks = "AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')" if which != "all" else ""
+        try:
+            admin = await asyncpg.connect(self.stack.admin_database_url, timeout=5)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            return f"(database away: {type(e).__name__})"
+        try:
+            killed = await admin.fetchval(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                f"WHERE usename = 'instance_manager' {locks}) t"
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            return f"(database away: {type(e).__name__})"
+        finally:
+            with contextlib.suppress(Exception):
+                await admin.close()
+        self.report.faults[f"instance-manager connections killed ({which})"] += killed or 0
+        return f"{killed} connection(s) of instance-manager ({which})"
+
+    async def op_pool_churn(self, rng: random.Random) -> str:
+        """Pools resized and deleted while their starts are refused: mostly the tight silo's pool (which its
+        quota does not fit), squeezed (the hog stopped, and the pool shrunk or deleted as its room
+        appears, when the keeper starts a refused member and retires it in one pass), deleted and made
+        again, or resized; now and then the warm pool."""
+        what = rng.choices(["squeeze", "resize tight", "delete tight", "resize warm"], [4, 2, 2, 1])[0]
+        if what == "resize warm":
+            size = rng.randint(1, 4)
+            await self.client.pool("resize", SILO, PROJECT, POOL, size=size)
+        elif what == "resize tight":
+            size = rng.randint(0, TIGHT_QUOTA + 2)
+            await self._resize_tight(size)
+        elif what == "delete tight":
+            await self._delete_tight()
+            self.report.faults["pool deleted while starts are refused"] += 1
+            await asyncio.sleep(rng.uniform(0, 1))
+            size = rng.randint(TIGHT_QUOTA, TIGHT_QUOTA + 2)
+            await self._tight_pool(size)
+            return f"{TIGHT_POOL} deleted, made again with {size}"
+        else:
+            return await self._squeeze(rng)
+        self.report.faults[f"pool resized ({what.split()[1]})"] += 1
+        return f"{what} to {size}"
+
+    async def _squeeze(self, rng: random.Random) -> str:
+        """Stop the hog, and as its vCPU comes free shrink or delete the tight pool, before the keeper's
+        own pass (each second) starts the member the quota refused: the kicked pass starts it and retires
+        it at once. Then the hog starts again, and the pool is made again if it was deleted. A hog left
+        stopped (its room taken by the pool meanwhile) gets it back first: the pool deleted, the hog
+        started, the pool made again."""
+        if (await self.client.instance("show", TIGHT, PROJECT, HOG))["state"] != "running":
+            await self._delete_tight()
+            await asyncio.sleep(rng.uniform(2, 3))  # the members stopped, their room free
+            await self._start_hog()
+            await asyncio.sleep(rng.uniform(0.5, 1.5))
+            await self._tight_pool(TIGHT_QUOTA + rng.randint(0, 2))
+            return f"{TIGHT_POOL} made again around the hog"
+        await self.client.instance("stop", TIGHT, PROJECT, HOG)
+        if not await self._until(TIGHT, HOG, "stopped", 10):
+            return "(the hog did not stop)"
+        await asyncio.sleep(rng.uniform(0.1, 0.4))  # its release on its way to accounting
+        shrink = rng.random() < 0.5
+        if shrink:
+            size = (await self.client.pool("show", TIGHT, PROJECT, TIGHT_POOL))["target_size"]
+            await self._resize_tight(max(0, size - rng.randint(1, 2)))
+            self.report.faults["pool shrunk as its room appeared"] += 1
+        else:
+            await self._delete_tight()
+            self.report.faults["pool deleted as its room appeared"] += 1
+        await asyncio.sleep(rng.uniform(1, 3))
+        started = await self._start_hog()
+        if not shrink:
+            await asyncio.sleep(rng.uniform(0.5, 1.5))  # the hog takes its room first
+            await self._tight_pool(TIGHT_QUOTA + rng.randint(0, 2))
+        return f"{TIGHT_POOL} {'shrunk' if shrink else 'deleted'} as the hog's room appeared; {started}"
+
+    async def _start_hog(self) -> str:
+        try:
+            await self.client.instance("start", TIGHT, PROJECT, HOG)
+        except CommandError as e:  # its room taken by the pool meanwhile: the next squeeze gives it back
+            return f"the hog not started ({e.code})"
+        return "the hog started"
+
+    async def _until(self, silo: str, name: str, state: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (await self.client.instance("show", silo, PROJECT, name))["state"] == state:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def _tight_pool(self, size: int) -> None:
+        try:
+            await self.client.pool_create(
+                TIGHT, PROJECT, TIGHT_POOL, size=size, vcpus=1, ram_bytes=GiB, disk_bytes=GiB
+            )
+        except CommandError as e:
+            if e.code != "conflict":  # there already (made by a try whose reply was lost)
+                raise
+
+    async def _resize_tight(self, size: int) -> None:
+        try:
+            await self.client.pool("resize", TIGHT, PROJECT, TIGHT_POOL, size=size)
+        except CommandError as e:
+            if e.code != "not_found":
+                raise
+            await self._tight_pool(size)  # deleted by an operation that could not make it again
+
+    async def _delete_tight(self) -> None:
+        try:
+            await self.client.pool("delete", TIGHT, PROJECT, TIGHT_POOL)
+        except CommandError as e:
+            if e.code != "not_found":
+                raise
 
     # --- services and infrastructure ---
 
@@ -372,7 +649,7 @@ class Scenario:
         await self.client.clear_faults()
         for sled in await self.client.sim_sled("list"):
             await self.client.sim_faults(SimFaults(sled_id=sled["sled_id"]))
-            await self.client.sim_sled("heal", sled["sled_id"])
+            await self.client.sim_sled("heal", sled["sled_id"])  # a shrunk sled stays so: not a fault
         deadline = time.monotonic() + settle_for
         while True:
             async with self.db.acquire() as conn:

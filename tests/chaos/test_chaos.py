@@ -12,21 +12,25 @@ import pytest
 from rackctl import check as checker
 from shared import subjects
 from tests import release
-from tests.chaos.scenario import CHAOS_ENV, Scenario
+from tests.chaos.scenario import CHAOS_ENV, ISSUE_28, WEIGHTS, Scenario
 from tests.conftest import instance_changes, private_rack
 
 
 async def run(seed: int, duration: float, old: Path | None = None, beside: tuple[str, ...] = ()) -> None:
     """One chaos run; with `old` (the source tree of an earlier release), a replica of each service in
-    `beside` at that release runs beside today's the whole time, killed and restarted like any other."""
+    `beside` at that release runs beside today's the whole time, killed and restarted like any other (and
+    the weather of issue 28, whose bugs that release has, is left out)."""
     async with private_rack("chaos", timeout=5, **CHAOS_ENV) as (stack, client, db):
         for name in beside:
             assert old is not None
             stack.start_service(name, replica=f"{name}-old", root=old)
         stack.wait_ready(beside)
         started = time.monotonic()
-        report = await Scenario(stack, client, db, seed, duration).run()
+        weights = {op: w for op, w in WEIGHTS.items() if not (old and op in ISSUE_28)}
+        report = await Scenario(stack, client, db, seed, duration, weights=weights).run()
         print(f"\n{report.summary()}\n  wall time: {time.monotonic() - started:.1f}s")
+        if os.environ.get("CHAOS_LOG"):  # the operations, as a failing run prints them
+            print("\n".join(report.log))
         if report.violations:
             replay = f"make chaos SEED={seed} DURATION={duration:g}"
             log = "\n".join(report.log)

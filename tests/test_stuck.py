@@ -1,0 +1,238 @@
+"""A VMM is judged stuck only on its sled's evidence (issue 28, finding 1).
+
+The transition timeout alone says that a report has not come, not that the VMM is not there: a sled whose
+reports are held past the timeout, while its inventories list the VMM running, has a late report, not a
+stuck VMM. Neither recovery nor instance-manager may then fail the start, nor call off a migration whose
+target already runs the instance (after the hand-over, its only copy). A start the sled never runs is
+still failed. Each test has a stack of its own, with a 3 s transition timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from deploy.stack import Stack
+from rackctl import check as checker
+from rackctl.client import Client
+from shared import bus, subjects
+from shared.messages import AutoRestart, SimFaults, VmmStuck
+from tests.conftest import (
+    GiB,
+    Rack,
+    assert_invariants,
+    connect_as,
+    counter,
+    eventually,
+    new_project,
+    private_rack,
+    usage_is,
+    wait_state,
+)
+
+MakeRack = Callable[..., Awaitable[Rack]]
+TIMEOUT = "3"
+
+
+@pytest.fixture
+async def rack() -> AsyncIterator[MakeRack]:
+    async with contextlib.AsyncExitStack() as racks:
+
+        async def make(**env: str) -> Rack:
+            return await racks.enter_async_context(
+                private_rack("stuck", RACKPLANE_TRANSITION_TIMEOUT=TIMEOUT, **env)
+            )
+
+        yield make
+
+
+async def hold_reports(client: Client, sled: str) -> None:
+    """Every VMM report of `sled` is held (each attempt delayed far beyond the test) until released."""
+    await client.sim_faults(SimFaults(sled_id=sled, delay_seconds=600, delay_count=1000))
+
+
+async def release_reports(client: Client, sled: str) -> None:
+    await client.sim_faults(SimFaults(sled_id=sled))
+
+
+async def vmms_on(client: Client) -> dict[str, int]:
+    return {s["sled_id"]: s["vmms"] for s in await client.sim_sled("list")}
+
+
+async def stuck_order(stack: Stack, body: VmmStuck) -> str:
+    """Send a stuck order as recovery would; returns `applied: <result>` or `stale: <why>`."""
+    nc = await connect_as(stack, "recovery")
+    try:
+        reply = await bus.request(nc, subjects.command(None, "vmm", "stuck"), body, source="recovery")
+        return f"applied: {reply['result']}"
+    except bus.CommandError as e:
+        assert e.code == "stale", e
+        return f"stale: {e.message}"
+    finally:
+        await nc.close()
+
+
+async def refused_as_late(stack: Stack, body: VmmStuck) -> str | None:
+    """The order, once the sled's evidence is in: refused because the report is late, not the VMM (on
+    anything else, None: still too early to judge, or, on the old code, the VMM was failed)."""
+    answer = await stuck_order(stack, body)
+    return answer if "its report is late, not the VMM" in answer else None
+
+
+async def test_a_start_whose_reports_are_held_past_the_timeout_runs_on_its_vmm(rack: MakeRack) -> None:
+    """The reviewer's reproduction: auto-restart `never`, reports held past the 3 s timeout, the VM
+    running on its sled all along. Nothing is failed: the instance ends running on the same VMM,
+    charged, with no automatic restart and no error."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    await client.instance_create(
+        silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
+    )
+    await hold_reports(client, "sled-0")
+    starting = await client.instance("start", silo, proj, "vm")
+    vmm = starting["active_vmm_id"]
+    assert starting["state"] == "starting" and vmm is not None, starting
+    await eventually(lambda: _runs(client, "sled-0", 1), timeout=10)
+
+    body = VmmStuck(
+        instance_id=uuid.UUID(starting["id"]),
+        generation=(await client.instance("show", silo, proj, "vm"))["generation"],
+        vmm_id=uuid.UUID(vmm),
+        state="starting",
+    )
+    answer = await eventually(lambda: refused_as_late(stack, body), timeout=15, interval=0.5)
+    assert "sled sled-0 lists VMM" in answer and "as running" in answer, answer
+    # Recovery's own picture (its inventories) saw the same, and sent no order for it.
+    await eventually(lambda: _more(counter(client, "recovery", "reconcile.stuck_reports_late"), 0))
+    held = await client.instance("show", silo, proj, "vm")
+    assert (held["state"], held["active_vmm_id"], held["failed_at"]) == ("starting", vmm, None), held
+
+    await release_reports(client, "sled-0")
+    running = await wait_state(client, silo, proj, "vm", "running", timeout=15)
+    assert running["active_vmm_id"] == vmm and running["auto_restarts"] == 0, running
+    assert running["last_error"] is None and running["failed_at"] is None, running
+    await usage_is(client, {"vcpus": 1, "ram_bytes": GiB, "disk_bytes": GiB}, silo)
+    assert await vmms_on(client) == {"sled-0": 1}
+    await assert_invariants(db)
+
+
+async def test_a_migration_whose_reports_are_held_past_the_timeout_keeps_its_vm(rack: MakeRack) -> None:
+    """Both sleds' reports held past the timeout while the hand-over completes on the sleds: the target
+    runs the only copy of the instance. It is never destroyed; the move ends on it, charged once."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="2")
+    silo, proj = await new_project(client)
+    await client.instance_create(
+        silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
+    )
+    await client.instance("start", silo, proj, "vm")
+    before = await wait_state(client, silo, proj, "vm", "running")
+    source = before["sled_id"]
+    target_sled = "sled-1" if source == "sled-0" else "sled-0"
+    for sled in (source, target_sled):
+        await hold_reports(client, sled)
+
+    await client.instance_migrate(silo, proj, "vm", to_sled=target_sled)
+    moving = await eventually(lambda: _with_target(client, silo, proj), timeout=10)
+    target = moving["target_vmm_id"]
+    await eventually(lambda: _handed_over(client, source, target_sled), timeout=10)
+
+    body = VmmStuck(
+        instance_id=uuid.UUID(moving["id"]),
+        generation=(await client.instance("show", silo, proj, "vm"))["generation"],
+        vmm_id=uuid.UUID(target),
+        state="migrating",
+    )
+    answer = await eventually(lambda: refused_as_late(stack, body), timeout=15, interval=0.5)
+    assert f"sled {target_sled} lists VMM {target} as running" in answer, answer
+    await eventually(lambda: _more(counter(client, "recovery", "reconcile.stuck_reports_late"), 0))
+    held = await client.instance("show", silo, proj, "vm")
+    assert (held["state"], held["target_vmm_id"]) == ("migrating", target), held
+
+    for sled in (source, target_sled):
+        await release_reports(client, sled)
+    moved = await eventually(lambda: _on(client, silo, proj, target_sled), timeout=15)
+    assert moved["active_vmm_id"] == target and moved["auto_restarts"] == 0, moved
+    assert "migration failed" not in (moved["last_error"] or ""), moved
+    assert await vmms_on(client) == {source: 0, target_sled: 1}
+    await usage_is(client, {"vcpus": 1, "ram_bytes": GiB, "disk_bytes": GiB}, silo)
+    await assert_invariants(db)
+
+
+async def test_a_stop_whose_report_is_held_past_the_timeout_is_not_called_stuck(rack: MakeRack) -> None:
+    """The sled has stopped the VMM (its inventories no longer list it) but its report is held: the stop
+    is not stuck, its report is late. It ends stopped by that report, with no failure recorded."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    await client.instance_create(silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+    await client.instance("start", silo, proj, "vm")
+    running = await wait_state(client, silo, proj, "vm", "running")
+    await hold_reports(client, "sled-0")
+    stopping = await client.instance("stop", silo, proj, "vm")
+    assert stopping["state"] == "stopping", stopping
+    await eventually(lambda: _runs(client, "sled-0", 0), timeout=10)
+
+    body = VmmStuck(
+        instance_id=uuid.UUID(running["id"]),
+        generation=stopping["generation"],
+        vmm_id=uuid.UUID(running["active_vmm_id"]),
+        state="stopping",
+    )
+    answer = await eventually(lambda: refused_as_late(stack, body), timeout=15, interval=0.5)
+    assert f"sled sled-0 no longer lists VMM {running['active_vmm_id']}" in answer, answer
+    await release_reports(client, "sled-0")
+    stopped = await wait_state(client, silo, proj, "vm", "stopped", timeout=15)
+    assert stopped["last_error"] is None and stopped["failed_at"] is None, stopped
+    failures = await db.fetchval(
+        "SELECT count(*) FROM instance_manager.failures WHERE instance_id = $1", uuid.UUID(running["id"])
+    )
+    assert failures == 0
+    await usage_is(client, {"vcpus": 0, "ram_bytes": 0, "disk_bytes": GiB}, silo)
+    await assert_invariants(db)
+
+
+async def test_a_start_its_sled_never_runs_is_still_failed(rack: MakeRack) -> None:
+    """The sled takes the ensure and does nothing with it: its inventories, made past the timeout, never
+    list the VMM. That is evidence, and the start is failed (auto-restart `never`: it comes to rest
+    stopped, with the reason)."""
+    _, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    await client.instance_create(
+        silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
+    )
+    await client.sim_faults(SimFaults(sled_id="sled-0", drop_commands=True))
+    await client.instance("start", silo, proj, "vm")
+    stopped = await wait_state(client, silo, proj, "vm", "stopped", timeout=20)
+    assert f"starting for over {TIMEOUT}s (sled sled-0 does not list it)" in stopped["last_error"], stopped
+    await client.sim_faults(SimFaults(sled_id="sled-0"))
+    await usage_is(client, {"vcpus": 0, "ram_bytes": 0, "disk_bytes": GiB}, silo)
+    await assert_invariants(db)
+    async with db.acquire() as conn:  # the failure names the inventory it was judged on, which holds
+        assert await checker.no_running_vmm_called_stuck(conn, client.nc.jetstream()) == []
+        proof = await conn.fetchrow("SELECT proof_boot_number, proof_seq FROM instance_manager.failures")
+    assert proof["proof_boot_number"] == 1 and proof["proof_seq"] is not None, proof
+
+
+async def _runs(client: Client, sled: str, n: int) -> bool:
+    return (await vmms_on(client)).get(sled) == n
+
+
+async def _handed_over(client: Client, source: str, target: str) -> bool:
+    return await vmms_on(client) == {source: 0, target: 1}
+
+
+async def _with_target(client: Client, silo: str, proj: str) -> Any:
+    v = await client.instance("show", silo, proj, "vm")
+    return v if v["state"] == "migrating" and v["target_vmm_id"] else None
+
+
+async def _on(client: Client, silo: str, proj: str, sled: str) -> Any:
+    v = await client.instance("show", silo, proj, "vm")
+    return v if v["state"] == "running" and v["sled_id"] == sled else None
+
+
+async def _more(value: Awaitable[int], than: int) -> bool:
+    return await value > than
