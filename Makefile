@@ -49,7 +49,7 @@ chaos: install
 	SEED=$(SEED) DURATION=$(DURATION) $(BIN)/pytest -n 0 -m chaos -s -p no:cacheprovider -o timeout=0 tests/chaos
 
 ## fuzz: the fuzz suite at full size: 10,000 hostile messages (make fuzz FUZZ_MESSAGES=... FUZZ_SEED=...);
-## `make test` runs it with a few hundred
+## `make test` runs it with a few hundred, and CI (.ci/run) at full size after it, bounded in time
 fuzz: install
 	FUZZ_MESSAGES=$(or $(FUZZ_MESSAGES),10000) FUZZ_SEED=$(FUZZ_SEED) $(BIN)/pytest -n 0 -s -p no:cacheprovider -o timeout=0 tests/fuzz
 

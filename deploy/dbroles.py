@@ -93,7 +93,13 @@ async def provision(
     try:
         async with conn.transaction():
             checker_pw = password("check")
-            await _apply(conn, render(SQL / "roles_common.sql", checker=CHECKER, checker_password=checker_pw))
+            database = await conn.fetchval("SELECT current_database()")
+            await _apply(
+                conn,
+                render(
+                    SQL / "roles_common.sql", checker=CHECKER, checker_password=checker_pw, database=database
+                ),
+            )
             urls["check"] = with_login(admin_url, CHECKER, checker_pw)
             for schema in SCHEMAS:
                 pw = password(schema)

@@ -10,10 +10,11 @@ place where permissions are defined; it writes
 - `<dir>/auth.conf`: the `accounts` block of nats-server's config, every user with its permissions
   (included by the server config: `include "auth.conf"`).
 
-    python -m deploy.identities init DIR [--sleds 32] [--silo acme ...]
+    python -m deploy.identities init DIR [--sleds 32] [--silo acme ...] [--test]
     python -m deploy.identities add-sled DIR [SLED_ID]       # then reload the server (SIGHUP)
     python -m deploy.identities add-silo-operator DIR SILO   # likewise
     python -m deploy.identities rotate DIR NAME              # a new seed for NAME; then reload
+    python -m deploy.identities remove DIR NAME              # NAME and its seed gone; then reload
     python -m deploy.identities matrix                       # the permission matrix, in Markdown
 
 docs/security.md explains the model; its matrix is this module's output (tests/test_security.py
@@ -51,6 +52,9 @@ OPERATORS = (
     "events-reader",
     "dlq-admin",
 )
+TEST = "test"
+"""The identity of the tests and of fault injection: made only where asked for (`standard(test=True)`: the
+test fixtures, `make run FAULTS=1`), never by a plain `make run` or compose."""
 DEFAULT_SLEDS = 32
 """Sled identities made up front: the simulator's sleds, and room for `rp.sim.sled.add`."""
 SLED_ID = re.compile(r"^sled-[0-9]{1,6}$")
@@ -253,20 +257,16 @@ FLEET_OPERATOR = Grants(
 ) | follow_events(subjects.event_pattern(None))
 SIMULATOR_OPERATOR = Grants(publish=(subjects.sim_control(">"),))
 FAULT_INJECTOR = Grants(publish=(subjects.faults("*"),))
+STREAM_VERBS = ("INFO", "CREATE", "UPDATE")
 STREAM_ADMIN = Grants(
     publish=(
         JS_INFO,
-        "$JS.API.STREAM.NAMES",
-        "$JS.API.STREAM.INFO.*",
-        "$JS.API.STREAM.CREATE.*",
-        "$JS.API.STREAM.UPDATE.*",
-        "$JS.API.CONSUMER.CREATE.>",
-        "$JS.API.CONSUMER.DURABLE.CREATE.>",
-        "$JS.API.CONSUMER.INFO.>",
-        "$JS.API.CONSUMER.DELETE.>",
-        subjects.stats("*"),
+        *(f"$JS.API.STREAM.{verb}.{name}" for name in subjects.STREAMS for verb in STREAM_VERBS),
     )
 )
+"""Creates and updates the streams deploy defines (`subjects.STREAMS`), each by name, and nothing else: no
+other stream, no consumer (none to create, update, delete or read through), no message. An update that
+changes a stream's limits cannot be told from deploy's own by its subject: see docs/security.md."""
 TEST_CONSUMERS = Grants(
     publish=(
         *(
@@ -293,12 +293,15 @@ DLQ_ADMIN = Grants(
         f"$JS.API.STREAM.INFO.{subjects.DLQ_STREAM}",
         f"$JS.API.STREAM.MSG.GET.{subjects.DLQ_STREAM}",
         f"$JS.API.STREAM.MSG.DELETE.{subjects.DLQ_STREAM}",
+        *(f"$JS.API.STREAM.MSG.GET.{s}" for s in subjects.STREAMS if s != subjects.DLQ_STREAM),
         *subjects.REPLAYABLE,
     )
 )
 """Reads, replays and deletes dead letters. Replaying publishes on every subject a dead letter can come
 from (`subjects.REPLAYABLE`: every stream's but the DLQ's), so this identity can say what any sled or
-service says: it is for the operator on call, kept apart from the console's (docs/operations.md)."""
+service says: it is for the operator on call, kept apart from the console's (docs/operations.md). It reads
+the message a letter names from its stream, by sequence, since a replay sends that, never the letter's
+body, which its filer wrote (rackctl/dlq.py)."""
 NEVER = ("$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")
 """Denied to every identity: streams are created and updated by deploy, and never deleted or purged."""
 
@@ -351,11 +354,12 @@ def silo_operator(silo: str) -> Identity:
     return Identity(f"silo-operator-{silo}", "silo-operator", silo)
 
 
-def standard(sleds: int = DEFAULT_SLEDS, silos: Iterable[str] = ()) -> list[Identity]:
-    """The identities of a rack: services, operators, `sleds` sleds, and the named silos' operators."""
+def standard(sleds: int = DEFAULT_SLEDS, silos: Iterable[str] = (), *, test: bool = False) -> list[Identity]:
+    """The identities of a rack: services, operators, `sleds` sleds, and the named silos' operators; the
+    test identity only with `test` (a credential that may inject faults exists only where it is used)."""
     return [
         *(Identity(s, "service", s) for s in SERVICES),
-        *(Identity(o, "operator", o) for o in OPERATORS),
+        *(Identity(o, "operator", o) for o in OPERATORS if test or o != TEST),
         *(sled(f"sled-{i}") for i in range(sleds)),
         *(silo_operator(s) for s in silos),
     ]
@@ -408,6 +412,13 @@ class Store:
         self.identities[identity.name] = identity
         self.write()
         return self.seed_file(identity.name)
+
+    def remove(self, name: str) -> None:
+        """Forget `name` and delete its seed: the server refuses its key once it reloads its config."""
+        seed = self.seed_file(name)
+        if self.identities.pop(name, None) is not None:
+            seed.unlink(missing_ok=True)
+            self.write()
 
     def rotate(self, name: str) -> Path:
         """A new key pair for `name`: the old seed stops working once the server reloads its config."""
@@ -508,12 +519,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("--sleds", type=int, default=DEFAULT_SLEDS)
     p.add_argument("--silo", action="append", default=[], help="make an operator for this silo")
+    p.add_argument("--test", action="store_true", help="also the test identity (tests, fault injection)")
     p = sub.add_parser("add-sled", help="a credential for a new sled (then reload the server)")
     p.add_argument("dir", type=Path)
     p.add_argument("sled_id", nargs="?")
     p = sub.add_parser("add-silo-operator", help="a credential for a silo's operator (then reload)")
     p.add_argument("dir", type=Path)
     p.add_argument("silo")
+    p = sub.add_parser("remove", help="forget an identity and delete its seed (then reload)")
+    p.add_argument("dir", type=Path)
+    p.add_argument("name")
     p = sub.add_parser("rotate", help="a new key pair for an identity (then reload)")
     p.add_argument("dir", type=Path)
     p.add_argument("name")
@@ -523,7 +538,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(matrix())
         return
     if a.command == "init":
-        store = Store.init(a.dir, standard(a.sleds, a.silo))
+        store = Store.init(a.dir, standard(a.sleds, a.silo, test=a.test))
+        if not a.test:  # one made by an earlier `--test` goes: the broker refuses it after a reload
+            store.remove(TEST)
         print(f"{len(store.identities)} identities in {a.dir}; server config: {store.auth_conf}")
         return
     store = Store.load(a.dir)
@@ -531,6 +548,10 @@ def main(argv: list[str] | None = None) -> None:
         path = store.add(sled(a.sled_id or next_sled_id(store)))
     elif a.command == "add-silo-operator":
         path = store.add(silo_operator(a.silo))
+    elif a.command == "remove":
+        store.remove(a.name)
+        print(f"removed {a.name}; server config: {store.auth_conf}; reload the server to apply it")
+        return
     else:
         path = store.rotate(a.name)
     print(f"credential: {path}")

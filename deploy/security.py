@@ -2,8 +2,9 @@
 
 deploy/stack.py calls this; it keeps what a throwaway stack needs in one place:
 
-- the identities (deploy/identities.py), in `<stack>/identities`, or in $RACKPLANE_IDENTITIES when set
-  (the tests make one set per test run, for all their stacks);
+- the identities (deploy/identities.py), in `<stack>/identities` (the test identity only with fault
+  injection on), or in $RACKPLANE_IDENTITIES when set (the tests make one set per test run, for all their
+  stacks, with the test identity);
 - with TLS (RACKPLANE_TLS=1, `make run TLS=1`), a CA and a server certificate (deploy/tls.py);
 - `nats-auth.conf`, included by the server's config: the accounts and users, and the `tls` block;
 - each service's environment: its own credential (NATS_NKEY_FILE), the CA (NATS_CA_FILE), and for the
@@ -34,16 +35,23 @@ class BrokerSecurity:
     dir: Path
     tls: bool = False
     sleds: int = identities.DEFAULT_SLEDS
+    test_identity: bool = False
+    """Make the test identity (fault injection: `make run FAULTS=1`); without it, a test identity left in
+    the folder by an earlier start is removed, seed and all, so that the broker refuses it."""
     store: identities.Store = field(init=False)
     certs: tls.Files | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         shared = os.environ.get("RACKPLANE_IDENTITIES")
         folder = Path(shared) if shared else self.dir / "identities"
-        if shared and (folder / "identities.json").exists():
+        if shared and (folder / "identities.json").exists():  # the tests' own set, test identity included
             self.store = identities.Store.load(folder)
         else:
-            self.store = identities.Store.init(folder, identities.standard(self.sleds))
+            self.store = identities.Store.init(
+                folder, identities.standard(self.sleds, test=self.test_identity)
+            )
+            if not self.test_identity:
+                self.store.remove(identities.TEST)
         if self.tls:
             self.certs = tls.make(self.dir / "tls")
 

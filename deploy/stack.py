@@ -422,7 +422,8 @@ class Stack:
             if self.security is None:
                 sleds = max(DEFAULT_SLEDS, 2 * int(self.env.get("RACKPLANE_SLEDS", "8")))
                 tls = self.env.get("RACKPLANE_TLS", "") not in ("", "0")
-                self.security = BrokerSecurity(self.dir, tls=tls, sleds=sleds)
+                faults = self.env.get("RACKPLANE_FAULTS", "") not in ("", "0")  # the test identity's job
+                self.security = BrokerSecurity(self.dir, tls=tls, sleds=sleds, test_identity=faults)
             self.nats = Nats(  # held before it starts, so that stop() finds it if the start fails
                 self.dir / "nats",
                 port=int(self.env.get("RACKPLANE_NATS_PORT", 0)) or free_port(),

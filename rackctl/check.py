@@ -152,14 +152,12 @@ async def no_saga_run_twice(conn: asyncpg.Connection) -> list[str]:
         """
         WITH e AS (
             SELECT saga_id, seq, step, event, owner,
-                   lag(owner) OVER (PARTITION BY saga_id ORDER BY seq) AS before
+                   lag(owner) OVER (PARTITION BY saga_id ORDER BY seq) AS before,
+                   min(seq) OVER (PARTITION BY saga_id, owner) AS owners_first
             FROM instance_manager.saga_events WHERE owner IS NOT NULL
         ), back AS (  -- an owner's run of steps that begins after another's, when it had had one before
-            SELECT e.saga_id, e.owner, e.step, e.event, e.before
-            FROM e
-            WHERE e.before IS DISTINCT FROM e.owner AND e.before IS NOT NULL
-              AND EXISTS (SELECT 1 FROM e e2 WHERE e2.saga_id = e.saga_id AND e2.owner = e.owner
-                          AND e2.seq < e.seq)
+            SELECT saga_id, owner, step, event, before FROM e
+            WHERE before IS NOT NULL AND before <> owner AND owners_first < seq
         ), twice AS (
             SELECT saga_id, step, event, array_agg(DISTINCT owner ORDER BY owner) AS owners
             FROM e GROUP BY saga_id, step, event HAVING count(DISTINCT owner) > 1

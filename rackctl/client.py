@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,7 +36,9 @@ from shared.messages import (
     Quota,
     ServiceFaults,
     SiloCreate,
+    SiloLimitsSet,
     SiloList,
+    SiloShow,
     SimFaults,
     SimRackReboot,
     SimSledAdd,
@@ -53,6 +58,20 @@ from shared.messages import (
 )
 
 SOURCE = "rackctl"
+RETRY_AFTER = re.compile(r"\bretry after (\d+) ms\b")
+RETRIED = ("limited", "busy")
+"""Refusals that say when to come back: a command past its silo's or identity's rate (`limited`), or one
+instance-manager has no room for yet (`busy`); neither did anything, so sending it again is safe."""
+JITTER = 0.5
+"""A retry waits the time it was told plus up to this fraction more, at random: callers limited together
+do not all come back in the same millisecond."""
+
+
+def retry_after(e: bus.CommandError) -> float | None:
+    """Seconds to wait before sending a refused command again (jitter included), or None if it is not to
+    be sent again."""
+    m = RETRY_AFTER.search(e.message) if e.code in RETRIED else None
+    return None if m is None else int(m[1]) / 1000 * (1 + random.uniform(0, JITTER))
 
 
 class Client:
@@ -86,7 +105,17 @@ class Client:
         await self.nc.drain()
 
     async def call(self, subject: str, body: Model) -> Any:
-        return await bus.request(self.nc, subject, body, source=SOURCE, timeout=self.timeout)
+        """Send a command and return its reply's data. One refused with `retry after N ms` is sent again
+        after that time (with jitter), for as long as the client's timeout, counted from the first send."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return await bus.request(self.nc, subject, body, source=SOURCE, timeout=self.timeout)
+            except bus.CommandError as e:
+                wait = retry_after(e)
+                if wait is None or time.monotonic() + wait > deadline:
+                    raise
+            await asyncio.sleep(wait)
 
     async def pages(self, body: Paged) -> AsyncIterator[list[Any]]:
         """A list command's items, a page at a time (each page one request, in the list's order)."""
@@ -116,6 +145,14 @@ class Client:
 
     async def silo_list(self) -> Any:
         return await self.every(SiloList())
+
+    async def silo_show(self, name: str) -> Any:
+        """The silo, its quota, and its tenant limits with what it holds of each (`used`)."""
+        return await self.send(SiloShow(silo=name))
+
+    async def silo_limits(self, body: SiloLimitsSet) -> Any:
+        """Set a silo's tenant limits (the fleet operator's command, on `_fleet`): the silo as shown after."""
+        return await self.call(subjects.command(None, "silo", "limits"), body)
 
     async def project_create(self, silo: str, name: str) -> Any:
         return await self.call(

@@ -527,10 +527,16 @@ class Consumer:
             await _settle(msg.nak(delay=min(0.1 * 2**delivered, 5.0)))
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
-        """Park the message with its reason in the DLQ stream, then stop its redelivery."""
+        """Park the message with its reason in the DLQ stream, then stop its redelivery.
+
+        Each filing has an id of its own, which no one can guess: an id made from the message (its stream
+        and sequence) could be published first by any identity that may file letters, inside the DLQ's
+        duplicate window, and the broker would drop the real letter as a repeat; and two consumers giving
+        up on one message would keep one letter. A letter filed twice (its `term` lost) is stored twice;
+        `rackctl dlq list` shows such repeats as one (rackctl/dlq.py)."""
         meta = msg.metadata
         headers = {
-            MSG_ID: f"dlq:{self.stream}:{meta.sequence.stream}",
+            MSG_ID: f"dlq:{uuid.uuid4()}",
             "Rp-Dlq-Reason": reason[:1000],
             "Rp-Dlq-Subject": msg.subject,
             "Rp-Dlq-Stream": self.stream,
@@ -722,6 +728,7 @@ async def serve(
     *,
     queue: str,
     check_silo: bool = True,
+    admit: Callable[[Msg], CommandError | None] | None = None,
 ) -> Any:
     """Answer commands on `subject`; each body type goes to its handler; every failure is a clear reply.
 
@@ -782,6 +789,12 @@ async def serve(
         t.add_done_callback(tasks.discard)
 
     async def on_msg(msg: Msg) -> None:
+        # `admit` (a rate limit) refuses before anything else, the message not even decoded: cheap enough
+        # that a flood of refused commands takes little from everyone else's
+        if admit is not None and (refused := admit(msg)) is not None:
+            if msg.reply:
+                await _respond(msg, Reply(ok=False, error={"code": refused.code, "message": refused.message}))
+            return
         spawn(answer(msg))
 
     return await nc.subscribe(subject, queue=queue, cb=on_msg)

@@ -303,6 +303,48 @@ class Settings(BaseSettings):
     )
     prune_interval: Duration = _var("RACKPLANE_PRUNE_INTERVAL", 60.0, "how often instance-manager prunes")
 
+    # tenant limits (instance-manager): the rack's defaults; the fleet operator sets a silo's own
+    # (`rackctl silo limits`), and `rackctl silo show` shows them
+    silo_max_projects: int = _var(
+        "RACKPLANE_SILO_MAX_PROJECTS",
+        500,
+        "most projects a silo may hold, unless it has a limit of its own",
+        ge=0,
+    )
+    silo_max_instances: int = _var(
+        "RACKPLANE_SILO_MAX_INSTANCES",
+        10_000,
+        "most instances (warm-pool VMs included) a silo may hold before a create is refused, unless it has "
+        "a limit of its own",
+        ge=0,
+    )
+    silo_max_pool_members: int = _var(
+        "RACKPLANE_SILO_MAX_POOL_MEMBERS",
+        1_000,
+        "most VMs a silo's warm pools may be sized to keep, all pools together, unless it has a limit of "
+        "its own",
+        ge=0,
+    )
+    silo_command_rate: int = _var(
+        "RACKPLANE_SILO_COMMAND_RATE",
+        200,
+        "commands a second a silo may send to instance-manager (a token bucket per replica), unless it has "
+        "a rate of its own; past it a command is answered `limited: retry after N ms`",
+        ge=1,
+    )
+    identity_command_rate: int = _var(
+        "RACKPLANE_IDENTITY_COMMAND_RATE",
+        100,
+        "commands a second one identity may send to one silo (a token bucket per replica), or the silo's "
+        "own rate if it has a higher one",
+        ge=1,
+    )
+    command_burst: Duration = _var(
+        "RACKPLANE_COMMAND_BURST",
+        2.0,
+        "how many seconds' worth of commands a full bucket lets through at once",
+    )
+
     # the broker
     ack_wait: Duration = _var(
         "RACKPLANE_ACK_WAIT",

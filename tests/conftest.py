@@ -111,7 +111,7 @@ def identities(pytestconfig: pytest.Config) -> Iterator[Path]:
         from tests.bench.test_scale_bench import SLEDS
 
         sleds = max(sleds, SLEDS)
-    store = Store.init(folder / "identities", standard(sleds=sleds))
+    store = Store.init(folder / "identities", standard(sleds=sleds, test=True))
     test = Context(url="nats://127.0.0.1:4222", nkey=str(store.seed_file("test")), identity="test")
     saved = {k: os.environ.get(k) for k in ("RACKPLANE_IDENTITIES", "RACKCTL_CONTEXT")}
     os.environ["RACKPLANE_IDENTITIES"] = str(store.dir)

@@ -303,13 +303,13 @@ def nats_from_config(tmp_path: Path) -> Iterator[tuple[int, Path]]:
 
 async def test_nats_config_serves_jetstream(nats_from_config: tuple[int, Path]) -> None:
     port, store = nats_from_config
-    seed = store.parent / "identities" / "test.nk"
+    seed = store.parent / "identities" / "console.nk"  # compose makes no test identity
     nc = await nats.connect(
         f"nats://127.0.0.1:{port}",
         connect_timeout=5,
         max_reconnect_attempts=0,
         nkeys_seed=str(seed),
-        inbox_prefix="_INBOX_test",
+        inbox_prefix="_INBOX_console",
     )
     try:
         assert await nc.jetstream().account_info() is not None

@@ -94,6 +94,42 @@ async def test_the_checker_reads_every_schema_and_cannot_write(stack: Stack) -> 
         await conn.close()
 
 
+async def test_the_checker_cannot_write_even_in_a_session_it_made_read_write(stack: Stack) -> None:
+    """Issue 29: a session may turn `transaction_read_only` off, so the read-only setting is not what keeps
+    the checker from writing: it holds no privilege that writes, not even TEMP or a large object."""
+    assert stack.database_url is not None
+    conn = await connect(stack.database_url)
+    try:
+        await conn.execute("SET default_transaction_read_only = off")
+        await conn.execute("SET transaction_read_only = off")
+        assert await conn.fetchval("SHOW transaction_read_only") == "off"
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("CREATE TEMP TABLE scratch (x int)")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.fetchval("SELECT lo_create(0)")
+        for schema in SCHEMAS:
+            for write in (
+                f"INSERT INTO {schema}.{TABLE} (name) VALUES ('forged')",
+                f"UPDATE {schema}.{TABLE} SET name = name",
+                f"DELETE FROM {schema}.{TABLE}",
+                f"TRUNCATE {schema}.{TABLE}",
+            ):
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await conn.execute(write)
+        assert not await conn.fetchval(
+            "SELECT has_database_privilege(current_user, current_database(), 'TEMP')"
+        )
+        writes = await conn.fetch(
+            "SELECT table_schema, table_name, privilege_type FROM information_schema.table_privileges "
+            "WHERE grantee IN (current_user, 'PUBLIC') AND privilege_type <> 'SELECT' "
+            "AND table_schema = ANY($1::text[])",
+            list(SCHEMAS),
+        )
+        assert writes == []
+    finally:
+        await conn.close()
+
+
 async def test_rackctl_check_runs_as_the_read_only_role(stack: Stack) -> None:
     assert stack.database_url is not None
     assert_ok(await rackctl(stack, "check", "--no-at-rest", DATABASE_URL=stack.database_url))

@@ -1,20 +1,27 @@
 """Dead letters are handled, not hidden (issue 14, item 4): a dead-lettered message shows in `rackctl dlq
-list` with its reason, service, consumer and original subject; `replay` puts it back on the subject it
-was first sent on (and only the dlq-admin identity may); `purge` removes it; `rackctl check` reports a
-young one."""
+list` with its reason, filer, consumer and original subject; `replay` puts the stored original back on
+the subject it was first sent on (and only the dlq-admin identity may); `purge` removes it; `rackctl
+check` reports a young one. A real letter, of a malformed message or of one a handler failed on, replays
+end to end as docs/operations.md says (issue 29: a replay sends what its stream stored, never the
+letter; tests/test_dlq_forgery.py tries forged letters)."""
 
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+import pytest
+
 from deploy.stack import Stack
+from rackctl import dlq
 from rackctl.client import Client
 from shared import subjects
-from shared.bus import DLQ_TRUNCATED, MSG_ID, wire_size
+from shared.bus import DLQ_TRUNCATED, MSG_ID, CommandError, wire_size
 from tests.conftest import JetStreamAs, connect_as, eventually, unique
 from tests.test_bad_input import raw_envelope
 from tests.test_cli import assert_ok, rackctl
@@ -46,7 +53,8 @@ async def test_a_dead_letter_is_listed_with_its_reason_and_replays_to_its_subjec
     stack: Stack, client: Client, jetstream_as: JetStreamAs
 ) -> None:
     letter, payload, sent_on = await _bad_delta(stack, jetstream_as)
-    assert letter["service"] == "accounting"
+    assert letter["service"] == letter["filed_by"] == "accounting"
+    assert letter["filed_on"] == "rp.dlq.accounting.accounting-deltas" and letter["check"] == "ok"
     assert letter["consumer"].startswith("accounting-deltas-")
     assert letter["reason"].startswith("invalid: rp.acct.delta v1")
     assert letter["stream"] == subjects.PROVISION_STREAM
@@ -57,9 +65,9 @@ async def test_a_dead_letter_is_listed_with_its_reason_and_replays_to_its_subjec
     r = await rackctl(stack, "dlq", "list", "--service", "accounting")
     assert_ok(r)
     header, *rows = r.out.splitlines()
-    assert header.split() == ["SEQ", "TIME", "SERVICE", "CONSUMER", "SUBJECT", "REASON"]
+    assert header.split() == ["SEQ", "TIME", "FILER", "CONSUMER", "SUBJECT", "CHECK", "REASON"]
     [row] = [line for line in rows if line.split()[0] == str(seq)]
-    assert row.split()[2:5] == ["accounting", letter["consumer"], letter["subject"]]
+    assert row.split()[2:6] == ["accounting", letter["consumer"], letter["subject"], "ok"]
     assert "invalid: rp.acct.delta v1" in row
 
     r = await rackctl(stack, "dlq", "show", str(seq), "--json")
@@ -71,6 +79,8 @@ async def test_a_dead_letter_is_listed_with_its_reason_and_replays_to_its_subjec
     assert_ok(r)
     assert re.search(rf"^replays to +{re.escape(sent_on)}$", r.out, re.M), r.out
     assert re.search(r"^header Rp-Dlq-Reason +invalid: rp.acct.delta v1", r.out, re.M), r.out
+    assert re.search(r"^filed by +accounting \(on rp.dlq.accounting.accounting-deltas\)$", r.out, re.M)
+    assert re.search(r"^check +ok$", r.out, re.M), r.out
     assert '"schema": "rp.acct.delta"' in r.out
 
     r = await rackctl(stack, "dlq", "replay", str(seq))
@@ -82,7 +92,7 @@ async def test_a_dead_letter_is_listed_with_its_reason_and_replays_to_its_subjec
     r = await rackctl(stack, "dlq", "replay", str(seq), "--yes", "--json", "--context", str(_admin(stack)))
     assert_ok(r)
     replayed = r.json()
-    assert replayed["subject"] == sent_on
+    assert replayed["subject"] == sent_on and replayed["sent"] == "original"
     # it is in PROVISION again, as sent, under its own message id...
     auditor = await connect_as(stack, "auditor")
     try:
@@ -91,7 +101,7 @@ async def test_a_dead_letter_is_listed_with_its_reason_and_replays_to_its_subjec
         await auditor.close()
     assert again.data == payload and again.subject == letter["subject"]
     assert again.headers is not None and again.headers["Rp-Replay-Of"] == f"DLQ:{seq}"
-    assert again.headers[MSG_ID] == f"replay:DLQ:{seq}"
+    assert again.headers[MSG_ID].startswith(f"replay:DLQ:{seq}:")
 
     # ...gone from the DLQ, and accounting, which still cannot apply it, dead-letters it anew
     async def relisted() -> Any:
@@ -112,6 +122,67 @@ async def test_a_dead_letter_is_listed_with_its_reason_and_replays_to_its_subjec
     assert r.out.strip() == "deleted 1 dead letter(s)"
     r = await rackctl(stack, "dlq", "list", "--service", "accounting", "--json")
     assert all(d["replay_to"] != sent_on for d in r.json())
+
+
+async def test_a_letter_a_handler_failed_on_replays_once_its_cause_is_fixed(
+    stack: Stack, client: Client
+) -> None:
+    """The runbook's one letter a replay may mend: `handler failed 8 times`. Accounting's handler of
+    `silo.created` fails on one silo (a trigger the test puts in its schema, as a bug would), so the silo
+    is dead-lettered; once the cause is gone, the runbook's replay sends the stored event again and
+    accounting knows the silo."""
+    silo, fn = unique("dlqfail"), f"refuse_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(stack.admin_database_url)
+    sql = f"""
+        CREATE FUNCTION accounting.{fn}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.name = '{silo}' THEN RAISE EXCEPTION 'silo {silo} refused by the test'; END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER {fn} BEFORE INSERT OR UPDATE ON accounting.silos
+            FOR EACH ROW EXECUTE FUNCTION accounting.{fn}();
+    """
+    fixed = f"DROP TRIGGER IF EXISTS {fn} ON accounting.silos; DROP FUNCTION IF EXISTS accounting.{fn}();"
+    try:
+        await admin.execute(sql)
+        await client.silo_create(silo)
+        sent_on = subjects.event(silo, "silo", "created")
+        js = client.nc.jetstream()
+
+        async def parked() -> Any:
+            letters = await dlq.read(js, service="accounting", since=datetime.now(UTC) - timedelta(minutes=5))
+            return next((d for d in letters if d.subject == sent_on), None)
+
+        letter = await eventually(parked, timeout=60, interval=1.0)
+        assert letter.reason.startswith("handler failed 8 times: RaiseError: ") and silo in letter.reason
+        assert (letter.filed_by, letter.consumer, letter.stream) == (
+            "accounting",
+            "accounting-silos",
+            "EVENTS",
+        )
+        assert letter.check is not None and letter.check.status == "ok"
+        with pytest.raises(CommandError) as unknown:  # accounting does not know the silo
+            await client.usage(silo)
+        assert unknown.value.code == "not_found", unknown.value
+        await admin.execute(fixed)  # the cause fixed
+        r = await rackctl(stack, "dlq", "replay", str(letter.seq), "--yes", "--context", str(_admin(stack)))
+        assert_ok(r)
+        assert r.out.startswith(
+            f"replayed dead letter {letter.seq} (the original, EVENTS {letter.original_seq}) to {sent_on}"
+        ), r.out
+
+        async def known() -> Any:
+            try:
+                return await client.usage(silo)
+            except CommandError:
+                return None
+
+        assert (await eventually(known))["usage"] == {"vcpus": 0, "ram_bytes": 0, "disk_bytes": 0}
+        r = await rackctl(stack, "dlq", "show", str(letter.seq))
+        assert r.code == 1 and f"no dead letter {letter.seq}" in r.err, r
+    finally:
+        await admin.execute(fixed)
+        await admin.close()
 
 
 async def test_a_message_as_large_as_the_broker_takes_is_parked_with_its_beginning(

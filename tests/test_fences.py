@@ -352,9 +352,11 @@ async def test_a_start_never_lands_on_a_sled_that_has_gone_silent(rack: MakeRack
     await assert_invariants(db)
 
 
-def saga_lock_key(saga_id: uuid.UUID) -> int:
-    """The advisory lock a saga's runner holds (services/instance_manager/saga.py)."""
-    return int.from_bytes(saga_id.bytes[:8], "big", signed=True)
+HOLD_LEASE = (
+    "UPDATE instance_manager.sagas SET lease_owner = $2, "
+    "lease_until = CASE WHEN $2::text IS NOT NULL THEN now() + interval '1 hour' END WHERE id = $1"
+)
+"""Hold a saga's lease as another process would (services/instance_manager/saga.py), or ($2 NULL) free it."""
 
 
 def restart_im(stack: Stack, crash_at: str | None = None) -> None:
@@ -390,13 +392,14 @@ async def test_an_expunge_during_a_start_leaves_no_vmm_on_the_expunged_sled(
             "SELECT id FROM instance_manager.sagas WHERE status = 'running' AND kind = 'instance-start'"
         )
         assert saga_id is not None
-        holder = await asyncpg.connect(stack.database_url)
-        await holder.execute("SELECT pg_advisory_lock($1)", saga_lock_key(saga_id))
+        holder = await asyncpg.connect(stack.admin_database_url)
+        await holder.execute(HOLD_LEASE, saga_id, "test-holder")
     try:
-        restart_im(stack)  # it cannot resume the saga while the lock is held: it serves the expunge
+        restart_im(stack)  # it cannot resume the saga while the lease is held: it serves the expunge
         await client.sled_expunge("sled-0")
     finally:
-        await holder.close()  # the saga resumes now, and finds sled-0 expunged
+        await holder.execute(HOLD_LEASE, saga_id, None)  # the saga resumes now, finds sled-0 expunged
+        await holder.close()
 
     async def saga_over() -> Any:
         async with db.acquire() as conn:

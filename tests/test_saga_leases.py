@@ -75,7 +75,9 @@ async def test_a_process_whose_lease_was_taken_commits_no_step_of_that_saga(
     async def third(ctx: Context) -> None:
         return None
 
-    kind = Saga("lease-test", [Step("first", first), Step("second", second), Step("third", third)])
+    # The second step is remote: it holds no transaction (nor the saga row) while a stalls in it.
+    steps = [Step("first", first), Step("second", second, local=False), Step("third", third)]
+    kind = Saga("lease-test", steps)
     a, b = Executor(App(scratch), ""), Executor(App(scratch), "")
     a.register(kind)
     b.register(kind)
@@ -182,7 +184,8 @@ async def test_the_checker_reports_a_saga_two_processes_ran_at_once(stack: Stack
         [
             f"saga instance-start {interleaved} was run by two processes at once: a ran place (done) after "
             "b had taken over from it",
-            f"saga instance-start {twice} was run by two processes at once: charge (done) recorded by a and b",
+            f"saga instance-start {twice} was run by two processes at once: charge (done) recorded by "
+            "a and b",
         ]
     )
 

@@ -61,6 +61,7 @@ SUBJECTS = [
     "rp.sim.sled.list",
     # JetStream API
     "$JS.API.INFO", "$JS.API.STREAM.CREATE.PROBE", "$JS.API.STREAM.UPDATE.PROBE",
+    "$JS.API.STREAM.INFO.PROBE", "$JS.API.DIRECT.GET.SLED_CMD", "$JS.API.STREAM.MSG.GET.SLED_CMD",
     "$JS.API.STREAM.DELETE.EVENTS", "$JS.API.STREAM.PURGE.PROVISION", "$JS.API.STREAM.INFO.EVENTS",
     "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "$JS.API.STREAM.MSG.GET.EVENTS",
     "$JS.API.STREAM.MSG.DELETE.EVENTS", "$JS.API.STREAM.SNAPSHOT.EVENTS", "$JS.API.STREAM.RESTORE.PROBE",
@@ -112,7 +113,7 @@ def may_subscribe(g: Grants, subject: str) -> bool:
 
 
 PROBED = [
-    *identities.standard(sleds=8, silos=["acme"]),
+    *identities.standard(sleds=8, silos=["acme"], test=True),
 ]
 PROBED = [i for i in PROBED if i.kind != "sled" or i.name == "sled-3"]
 
@@ -123,7 +124,7 @@ async def bare(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[
     folder = tmp_path_factory.mktemp("bare-nats")
     shared = os.environ.pop("RACKPLANE_IDENTITIES", None)  # identities of its own, apart from the tests'
     try:
-        security = BrokerSecurity(folder)
+        security = BrokerSecurity(folder, test_identity=True)
     finally:
         if shared is not None:
             os.environ["RACKPLANE_IDENTITIES"] = shared
@@ -187,8 +188,13 @@ def test_the_grants_that_matter() -> None:
         "$JS.API.STREAM.MSG.DELETE.EVENTS",
     ):
         assert publishers(verb) == nobody
-    assert publishers("$JS.API.STREAM.CREATE.PROBE") == {"stream-admin"}
-    assert publishers("$JS.API.STREAM.UPDATE.PROBE") == {"stream-admin"}
+    # streams: deploy's own, by name, and no other; and the stream administrator touches no consumer
+    assert publishers("$JS.API.STREAM.CREATE.EVENTS") == {"stream-admin"}
+    assert publishers("$JS.API.STREAM.UPDATE.EVENTS") == {"stream-admin"}
+    assert publishers("$JS.API.STREAM.CREATE.PROBE") == nobody
+    assert publishers("$JS.API.STREAM.UPDATE.PROBE") == nobody
+    assert not [s for s in SUBJECTS if "CONSUMER" in s and may_publish(identities.STREAM_ADMIN, s)]
+    assert not may_publish(identities.STREAM_ADMIN, "$JS.API.DIRECT.GET.SLED_CMD")
     # what a stream carries: its one sender, and the dead-letter administrator, who replays dead letters
     replay = "dlq-admin"
     assert publishers("rp.acct.delta.acme.web.i-1") == {"instance-manager", replay}
@@ -201,16 +207,13 @@ def test_the_grants_that_matter() -> None:
     assert publishers("rp.sled.sled-4.report.vmm") == {replay}
     assert publishers("$JS.API.STREAM.MSG.DELETE.DLQ") == {replay}
     # following events: through consumers of one's own, held to one's filter, never a service's durable
-    followers = {"fleet-operator", "console", "test", "stream-admin"}
+    followers = {"fleet-operator", "console", "test"}
     assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.x.rp.evt.acme.>") == followers | {"silo-operator-acme"}
     assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.x.rp.evt.other.>") == followers
-    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.accounting-silos.rp.evt.acme.>") == {"stream-admin"}
+    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.accounting-silos.rp.evt.acme.>") == nobody
     assert publishers("$JS.API.CONSUMER.MSG.NEXT.EVENTS.accounting-silos") == {"accounting"}
     assert publishers("$JS.API.CONSUMER.MSG.NEXT.EVENTS.events-reader") == {"events-reader"}
-    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.events-reader.rp.evt.>") == {
-        "events-reader",
-        "stream-admin",
-    }
+    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.events-reader.rp.evt.>") == {"events-reader"}
     for order in (
         "rp.cmd._fleet.vmm.lost",
         "rp.cmd._fleet.vmm.stuck",
@@ -244,9 +247,9 @@ def test_the_grants_that_matter() -> None:
     assert publishers("rp.svc.accounting.faults") == {"test"}
     assert publishers("rp.sim.sled.add") == {"simulator-operator", "console", "test"}
     assert publishers("$JS.API.CONSUMER.MSG.NEXT.SLED_CMD.sled-agent-sled-3") == {"sled-3"}
-    assert publishers("$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-3.rp.sled.sled-4.cmd.>") == {
-        "stream-admin"
-    }
+    assert publishers("$JS.API.CONSUMER.CREATE.SLED_CMD.sled-agent-sled-3.rp.sled.sled-4.cmd.>") == nobody
+    assert publishers("$JS.API.CONSUMER.DELETE.SLED_CMD.sled-agent-sled-3") == nobody
+    assert publishers("$JS.API.CONSUMER.DURABLE.CREATE.SLED_CMD.sled-agent-sled-3") == nobody
     assert publishers("$JS.API.CONSUMER.MSG.NEXT.PROVISION.accounting-deltas-0") == {"accounting", "test"}
     subscribers = {i.name for i in PROBED if may_subscribe(i.grants, "rp.evt.other.instance.changed")}
     assert subscribers == {"fleet-operator", "console", "test"}
@@ -270,6 +273,151 @@ async def test_a_consumer_cannot_be_pointed_at_another_filter(bare: tuple[Nats, 
         assert (await create("rp.sled.sled-3.cmd.>"))["config"]["filter_subject"] == "rp.sled.sled-3.cmd.>"
     finally:
         await nc.close()
+
+
+# --- each admin identity only for its job (issue 29) -----------------------------------------------------
+
+
+async def _as(server: Nats, security: BrokerSecurity, name: str) -> Any:
+    """A connection with `name`'s own credential and inbox (bus.connect: a denial is seen at once)."""
+    return await bus.connect(
+        server.url, f"attacker-{name}", retry_for=3, seed_file=security.seed(name),
+        inbox_prefix=subjects.inbox_prefix(name),
+    )  # fmt: skip
+
+
+async def _api(nc: Any, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any] | str:
+    """A JetStream API request: the server's JSON reply, or "forbidden" when the broker refuses the send."""
+    call = nc.request(subject, json.dumps(body or {}).encode(), timeout=3)
+    try:
+        return dict(json.loads((await bus.unless_denied(nc, subject, call)).data))
+    except bus.CommandError as e:
+        assert e.code == "forbidden", e
+        return "forbidden"
+
+
+def _push(stream: str, name: str, filter_subject: str, deliver: str) -> dict[str, Any]:
+    config = {"name": name, "durable_name": name, "filter_subject": filter_subject, "ack_policy": "explicit"}
+    return {"stream_name": stream, "config": {**config, "deliver_subject": deliver}}
+
+
+async def test_stream_admin_cannot_delete_a_consumer_or_read_orders(
+    bare: tuple[Nats, BrokerSecurity],
+) -> None:
+    """Attack 4: with its own credential, the stream administrator deletes no consumer, reads no sled order
+    (no push consumer to its own inbox, no direct or by-sequence get) and touches no stream but deploy's;
+    deploy's own work (create or update each stream) still succeeds."""
+    server, security = bare
+    im = await _as(server, security, "instance-manager")
+    sled = await _as(server, security, "sled-3")
+    admin = await _as(server, security, "stream-admin")
+    try:
+        order = subjects.sled_command("sled-3", "vmm.ensure")
+        await im.jetstream(timeout=3).publish(order, b'{"secret": "order"}')
+        sled_js = sled.jetstream(timeout=3)
+        await sled_js.pull_subscribe(subjects.sled_command("sled-3", ">"), durable="sled-agent-sled-3",
+                                     stream=subjects.SLED_CMD_STREAM)  # fmt: skip
+        got: list[Any] = []
+
+        async def on_msg(msg: Any) -> None:
+            got.append(msg)
+
+        inbox = f"{subjects.inbox_prefix('stream-admin')}.orders"
+        await admin.subscribe(inbox, cb=on_msg)
+        cmd = subjects.SLED_CMD_STREAM
+        attempts = {
+            f"$JS.API.CONSUMER.DELETE.{cmd}.sled-agent-sled-3": None,
+            f"$JS.API.CONSUMER.CREATE.{cmd}": {"stream_name": cmd, "config": {"deliver_subject": inbox}},
+            f"$JS.API.CONSUMER.CREATE.{cmd}.peek.rp.sled.>": _push(cmd, "peek", "rp.sled.>", inbox),
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{cmd}.peek": _push(cmd, "peek", "rp.sled.>", inbox),
+            f"$JS.API.DIRECT.GET.{cmd}": {"seq": 1},
+            f"$JS.API.STREAM.MSG.GET.{cmd}": {"seq": 1},
+            "$JS.API.STREAM.CREATE.PROBE": {"name": "PROBE", "subjects": ["probe.>"]},
+            "$JS.API.STREAM.UPDATE.PROBE": {"name": "PROBE", "subjects": ["probe.>"]},
+        }
+        for subject, body in attempts.items():
+            assert await _api(admin, subject, body) == "forbidden", subject
+        await asyncio.sleep(0.5)
+        assert got == []
+        info = await sled_js.consumer_info(cmd, "sled-agent-sled-3")  # still there, still its own
+        assert info.config.filter_subject == subjects.sled_command("sled-3", ">")
+        await security.ensure_streams(server.url)  # deploy's job: create, or else update, each stream
+    finally:
+        for nc in (im, sled, admin):
+            await nc.close()
+
+
+async def test_a_follower_cannot_create_a_push_consumer_delivering_elsewhere(
+    bare: tuple[Nats, BrokerSecurity],
+) -> None:
+    """Attack 4's last part, with the events reader's own credential: its durable, once made (a pull
+    consumer, as examples/events_consumer makes it), cannot be made to push (the server refuses to turn a
+    pull consumer into a push one), and no other name or create form is granted."""
+    server, security = bare
+    reader = await _as(server, security, "events-reader")
+    try:
+        js = reader.jetstream(timeout=3)
+        durable, ev = identities.EVENTS_READER_DURABLE, subjects.EVENTS_STREAM
+        await js.pull_subscribe("rp.evt.>", durable=durable, stream=ev)
+        elsewhere = subjects.command("acme", "instance", "delete")
+        refused = await _api(
+            reader,
+            f"$JS.API.CONSUMER.CREATE.{ev}.{durable}.rp.evt.>",
+            _push(ev, durable, "rp.evt.>", elsewhere),
+        )
+        assert isinstance(refused, dict) and "push" in refused["error"]["description"], refused
+        for subject, body in (
+            (f"$JS.API.CONSUMER.CREATE.{ev}.mine.rp.evt.>", _push(ev, "mine", "rp.evt.>", elsewhere)),
+            (f"$JS.API.CONSUMER.DURABLE.CREATE.{ev}.{durable}", _push(ev, durable, "rp.evt.>", elsewhere)),
+            (f"$JS.API.CONSUMER.CREATE.{ev}", {"stream_name": ev, "config": {"deliver_subject": elsewhere}}),
+        ):
+            assert await _api(reader, subject, body) == "forbidden", subject
+        assert (await js.consumer_info(ev, durable)).config.deliver_subject is None
+    finally:
+        await reader.close()
+
+
+async def test_the_test_identity_is_refused_by_a_stack_without_faults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attack 3: a stack started as `make run` starts it (identities of its own) makes the test identity
+    only with FAULTS=1; started again without, the test seed is gone from disk and the broker refuses it,
+    while the console's goes on working."""
+    monkeypatch.delenv("RACKPLANE_IDENTITIES", raising=False)
+    base = make_stack("no-test-identity").dir
+
+    def broker(faults: str) -> Stack:  # the broker as a stack starts it (a database given: none started)
+        s = Stack(base, database_url="postgresql://unused", env={"RACKPLANE_FAULTS": faults})
+        s.start_infra()
+        return s
+
+    s = broker("1")
+    try:
+        assert s.security is not None and s.nats_url
+        seed = s.security.store.seed_file(identities.TEST).read_bytes()
+        tester = await bus.connect(s.nats_url, "tester", retry_for=3, seed_file=s.security.seed("test"),
+                                   inbox_prefix=subjects.inbox_prefix("test"))  # fmt: skip
+        await tester.close()  # with FAULTS=1 it is there, for `rackctl chaos`
+    finally:
+        s.stop()
+    s = broker("0")
+    try:
+        assert s.security is not None and s.nats_url
+        store = s.security.store
+        assert identities.TEST not in store.identities and not (store.dir / "test.nk").exists()
+        assert identities.TEST not in [row["name"] for row in json.loads(store.manifest.read_text())]
+        stolen = base / "stolen-test.nk"
+        stolen.write_bytes(seed)
+        with pytest.raises(ConnectionError, match="refused"):
+            await bus.connect(
+                s.nats_url, "thief", retry_for=2, seed_file=str(stolen), inbox_prefix="_INBOX_test"
+            )
+        console = await bus.connect(s.nats_url, "console", retry_for=3, seed_file=s.security.seed("console"),
+                                    inbox_prefix=subjects.inbox_prefix("console"))  # fmt: skip
+        await console.close()
+    finally:
+        s.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # --- sleds, silos, no credential --------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""`rackctl dlq`: the dead letters, with why each was given up on; replay one where it came from; delete.
+"""`rackctl dlq`: the dead letters, with who filed each, why, and whether its claims hold; replay the
+message one stands for where it came from; delete.
 
 Reading takes the auditor's rights (the console's); replaying and deleting the dlq-admin identity's
-(`--context dlq-admin`), since a replay publishes on a sled's or a service's own subjects (rackctl/dlq.py,
-docs/operations.md "Dead letters").
+(`--context dlq-admin`), since a replay publishes on a sled's or a service's own subjects. A letter's
+headers are its filer's word: each is checked against what its filer's consumer reads, and a replay
+sends the stored original, never the letter (rackctl/dlq.py, docs/operations.md "Dead letters").
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Awaitable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
@@ -38,7 +41,7 @@ def _list_args(p: argparse.ArgumentParser) -> None:
 
 @command(
     "dlq list",
-    "the dead letters, oldest first: sequence, time, service, consumer, subject, reason",
+    "the dead letters, oldest first: sequence, time, filer, consumer, subject, check, reason",
     _list_args,
     examples=("rackctl dlq list", "rackctl dlq list --service accounting --since 2h"),
 )
@@ -49,8 +52,8 @@ async def dlq_list(ctx: Ctx) -> None:
     ctx.emit(
         [d.as_dict() for d in letters],
         lambda _: print_table(
-            ("SEQ", "TIME", "SERVICE", "CONSUMER", "SUBJECT", "REASON"),
-            [(d.seq, _time(d.time), d.service, d.consumer, d.subject, d.reason) for d in letters],
+            ("SEQ", "TIME", "FILER", "CONSUMER", "SUBJECT", "CHECK", "REASON"),
+            [(d.seq, _time(d.time), d.filed_by, d.consumer, d.subject, _check(d), d.reason) for d in letters],
         ),
     )
 
@@ -61,7 +64,7 @@ def _seq_arg(p: argparse.ArgumentParser) -> None:
 
 @command(
     "dlq show",
-    "one dead letter: its headers and its message",
+    "one dead letter: who filed it, whether its claims hold, its headers and its message",
     _seq_arg,
     json_flag,
     examples=("rackctl dlq show 42",),
@@ -75,11 +78,14 @@ async def dlq_show(ctx: Ctx) -> None:
                 ("seq", d.seq),
                 ("time", _time(d.time)),
                 ("service", d.service),
+                ("filed by", f"{d.filed_by} (on {d.filed_on})"),
+                ("check", _check(d) + (f": {d.check.reason}" if d.check and d.check.reason else "")),
                 ("consumer", d.consumer),
                 ("reason", d.reason),
                 ("subject", d.subject),
                 ("replays to", d.replay_to),
                 ("stream", f"{d.stream} (sequence {d.original_seq})"),
+                *([("repeats", ", ".join(map(str, d.repeats)))] if d.repeats else []),
                 *((f"header {k}", v) for k, v in sorted(d.headers.items())),
             ]
         )
@@ -97,8 +103,8 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
 
 @command(
     "dlq replay",
-    "publish a dead letter again on its original subject, then delete it (needs --yes, and the dlq-admin "
-    "identity)",
+    "publish the stored message a dead letter stands for again on its original subject, then delete the "
+    "letter (needs --yes, and the dlq-admin identity); a letter whose claims do not hold is refused",
     _replay_args,
     examples=("rackctl dlq replay 42 --yes --context dlq-admin  # once what made it fail is fixed",),
 )
@@ -109,9 +115,16 @@ async def dlq_replay(ctx: Ctx) -> None:
             f"refusing to replay dead letter {a.seq} without --yes: its consumer acts on it again"
         )
     letter, new_seq = await _run(dlq.replay(await _js(ctx), a.seq))
-    data = {"seq": letter.seq, "subject": letter.replay_to, "stream_seq": new_seq}
-    ctx.emit(data, lambda d: print(f"replayed dead letter {d['seq']} to {d['subject']} (stream sequence "
-                                    f"{d['stream_seq']}); deleted it from the DLQ"))  # fmt: skip
+    stored = letter.check is not None and letter.check.status == dlq.OK
+    data = {
+        "seq": letter.seq,
+        "subject": letter.replay_to,
+        "stream_seq": new_seq,
+        "sent": "original" if stored else "letter",
+    }
+    what = f"the original, {letter.stream} {letter.original_seq}" if stored else "the letter's body"
+    ctx.emit(data, lambda d: print(f"replayed dead letter {d['seq']} ({what}) to {d['subject']} (stream "
+                                    f"sequence {d['stream_seq']}); deleted it from the DLQ"))  # fmt: skip
 
 
 def _purge_args(p: argparse.ArgumentParser) -> None:
@@ -139,12 +152,14 @@ async def dlq_purge(ctx: Ctx) -> None:
     if not a.yes:
         raise Unconfirmed("refusing to delete dead letters without --yes: they are gone for good")
     js = await _js(ctx)
-    if a.seq is not None:
-        await _run(dlq.delete(js, a.seq))
-        seqs = [a.seq]
+    if a.seq is not None:  # the letter and its repeats, which `list` shows as one
+        letter = await _get(ctx, a.seq)
+        seqs = [a.seq, *await dlq.repeats_of(js, letter)]
+        for seq in seqs:
+            await _run(dlq.delete(js, seq))
     else:
         cutoff = datetime.now(UTC) - timedelta(seconds=a.older_than) if a.older_than else None
-        seqs = [d.seq for d in await dlq.read(js) if cutoff is None or d.time < cutoff]
+        seqs = [d.seq for d in await dlq.read(js, repeats=True) if cutoff is None or d.time < cutoff]
         for seq in seqs:
             await _run(dlq.delete(js, seq))
     ctx.emit({"deleted": seqs}, lambda d: print(f"deleted {len(d['deleted'])} dead letter(s)"))
@@ -155,7 +170,13 @@ async def _js(ctx: Ctx) -> JetStreamContext:
 
 
 async def _get(ctx: Ctx, seq: int) -> dlq.DeadLetter:
-    return await _run(dlq.get(await _js(ctx), seq))
+    letter = await _run(dlq.get(await _js(ctx), seq))
+    repeats = await dlq.repeats_of(await _js(ctx), letter)
+    return replace(letter, repeats=tuple(repeats))
+
+
+def _check(d: dlq.DeadLetter) -> str:
+    return d.check.status if d.check else "?"
 
 
 async def _run(call: Awaitable[T]) -> T:

@@ -6,10 +6,10 @@ import argparse
 from typing import Any
 
 from rackctl.commands.args import count, json_flag, silo_path, size
-from rackctl.commands.base import Ctx, command, group, validated
-from rackctl.output import print_table
+from rackctl.commands.base import Ctx, UsageError, command, group, validated
+from rackctl.output import print_fields, print_table
 from rackctl.sizes import format_size
-from shared.messages import Quota
+from shared.messages import Quota, SiloLimitsSet
 
 group("silo", "silos: tenants, with their quotas")
 
@@ -80,3 +80,77 @@ async def silo_list(ctx: Ctx) -> None:
 
 def _size_or_none(n: int | None) -> str | None:
     return None if n is None else format_size(n)
+
+
+@command(
+    "silo show",
+    "show a silo: its quota, and its tenant limits with what it holds of each",
+    lambda p: p.add_argument("name", type=silo_path, metavar="SILO"),
+    json_flag,
+    examples=(
+        "rackctl silo show acme",
+        "rackctl silo show acme --json",
+    ),
+)
+async def silo_show(ctx: Ctx) -> None:
+    ctx.emit(await (await ctx.client()).silo_show(ctx.args.name), _show)
+
+
+def _show(d: dict[str, Any]) -> None:
+    limits, own, used = d["limits"], d["limits_own"], d["used"]
+
+    def whose(k: str) -> str:
+        return "" if own.get(k) else " (the rack's default)"
+
+    print_fields(
+        [
+            ("silo", d["name"]),
+            ("id", d["id"]),
+            ("quota", _quota_text(d["quota"])),
+            *(
+                (label, f"{used[k]} of {limits[k]}{whose(k)}")
+                for label, k in (
+                    ("projects", "projects"),
+                    ("instances", "instances"),
+                    ("pool members", "pool_members"),
+                )
+            ),
+            ("command rate", f"{limits['command_rate']} a second{whose('command_rate')}"),
+        ]
+    )
+
+
+def _limit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", type=silo_path, metavar="SILO")
+    p.add_argument("--projects", type=count, metavar="N", help="most projects the silo may hold")
+    p.add_argument("--instances", type=count, metavar="N", help="most instances, warm-pool VMs included")
+    p.add_argument(
+        "--pool-members", type=count, metavar="N", help="most VMs its warm pools may keep, together"
+    )
+    p.add_argument("--command-rate", type=count, metavar="N", help="commands a second the silo may send")
+
+
+@command(
+    "silo limits",
+    "set a silo's tenant limits (the fleet operator); a limit not given stays as it is",
+    _limit_options,
+    json_flag,
+    examples=(
+        "rackctl silo limits acme --projects 20 --instances 200",
+        "rackctl silo limits acme --pool-members 50 --command-rate 100",
+    ),
+)
+async def silo_limits(ctx: Ctx) -> None:
+    a = ctx.args
+    body = validated(
+        SiloLimitsSet,
+        {"pool_members": "--pool-members", "command_rate": "--command-rate"},
+        name=a.name,
+        projects=a.projects,
+        instances=a.instances,
+        pool_members=a.pool_members,
+        command_rate=a.command_rate,
+    )
+    if body.model_dump(exclude={"name"}, exclude_none=True) == {}:
+        raise UsageError("nothing to set: give --projects, --instances, --pool-members or --command-rate")
+    ctx.emit(await (await ctx.client()).silo_limits(body), _show)

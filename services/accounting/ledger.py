@@ -14,8 +14,10 @@ How it holds, whatever the order and number of deliveries:
   message goes out again only once the broker's duplicate window may have forgotten the first: inside it,
   the broker would drop the copy, whose message id is the first's);
 - a delta at an older generation is stale: nothing moves;
-- the batch's instance rows, then its silo rows, are locked in key order before anything is decided, so
-  two batches (two partitions, two replicas) touching one instance or one silo serialize, without deadlock;
+- the batch's instance rows (inserted first, for instances seen for the first time, in key order as
+  well), then its silo rows, are locked in key order before anything is decided, so two batches (two
+  partitions, two replicas) touching one instance or one silo serialize, without deadlock (the lock order
+  of docs/architecture.md);
 - under those locks the deltas are decided in stream order, in memory: each sees the fence and the silo
   totals as the deltas before it in the batch left them, which is what one-by-one application would see.
   Then one statement per table writes what was decided.
@@ -155,17 +157,17 @@ async def lock_charges(
     conn: asyncpg.Connection, deltas: list[ProvisionDelta]
 ) -> dict[uuid.UUID, dict[str, Any]]:
     """Each instance's charge row, created at zero for an instance seen for the first time (owned by the
-    project of its first delta), and locked, in key order."""
+    project of its first delta), and locked, in key order. The rows are inserted in key order too: an
+    inserted row is held until commit, so two batches inserting new instances' rows in stream order (x
+    then y, and y then x) would deadlock."""
     first: dict[uuid.UUID, ProvisionDelta] = {}
     for d in deltas:
         first.setdefault(d.instance_id, d)
+    ids = in_key_order(first)
     await conn.execute(
-        Q["charges_ensure"],
-        list(first),
-        [d.project_id for d in first.values()],
-        [d.silo_id for d in first.values()],
+        Q["charges_ensure"], ids, [first[i].project_id for i in ids], [first[i].silo_id for i in ids]
     )
-    rows = await conn.fetch(Q["charges_lock"], in_key_order(first), duplicate_window() / 2)
+    rows = await conn.fetch(Q["charges_lock"], ids, duplicate_window() / 2)
     return {r["instance_id"]: dict(r) for r in rows}
 
 

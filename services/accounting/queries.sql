@@ -15,8 +15,11 @@ FROM projects p JOIN silos s ON s.id = p.silo_id WHERE p.id = ANY($1::uuid[]);
 
 -- name: charges_ensure
 -- An instance seen for the first time gets its row, charged at zero, owned by its first delta's project.
+-- Inserted in key order: a row inserted is held until commit, and two batches inserting the same new
+-- instances in different orders would deadlock.
 INSERT INTO instance_charges (instance_id, project_id, silo_id)
-SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[])
+SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[]) AS u (instance_id, project_id, silo_id)
+ORDER BY u.instance_id
 ON CONFLICT (instance_id) DO NOTHING;
 
 -- name: charges_lock

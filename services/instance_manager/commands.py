@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle, orders, paging, sleds
+from services.instance_manager import lifecycle, limits, orders, paging, sleds
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.migrate_saga import MIGRATE
 from services.instance_manager.pools import Pools
 from services.instance_manager.start_saga import START, AlreadyRunning
-from shared import bus, subjects
+from shared import bus, subjects, telemetry
+from shared.config import settings
 from shared.db import GroupCommit, enqueue
 from shared.messages import (
     InstanceCreate,
@@ -28,12 +31,16 @@ from shared.messages import (
     InstanceShow,
     InstanceStart,
     InstanceStop,
+    PoolCreate,
+    PoolResize,
     ProjectCreate,
     ProjectCreated,
     ProjectList,
     SiloCreate,
     SiloCreated,
+    SiloLimitsSet,
     SiloList,
+    SiloShow,
     SledExpunge,
     SledList,
     VmmLost,
@@ -42,10 +49,14 @@ from shared.messages import (
     VmmZombie,
 )
 
+log = logging.getLogger(__name__)
+
 SAGA_REPLY_WAIT = 10.0
 """How long a create, start or migration waits for its saga before answering "in progress"."""
 LOST_ORDERS_TOGETHER = 64
 """Most lost orders applied in one transaction (each names up to LOST_BATCH VMMs of one sled)."""
+
+Handler = Callable[[Any, Msg], Awaitable[dict[str, Any]]]
 
 
 class Commands:
@@ -54,21 +65,42 @@ class Commands:
         self.pools = pools
         self.lost_orders = GroupCommit(self._apply_lost, most=LOST_ORDERS_TOGETHER)
         """Lost orders come one a sled: after a rack's power loss, thousands at once."""
+        s = settings()
+        self.limiter = limits.Limiter(s.identity_command_rate, s.silo_command_rate, s.command_burst)
+        self._rates_task: asyncio.Task[None] | None = None
+        self._pool_sizes = asyncio.Lock()
+        # The pool commands are served by pools.py; their tenant limits are put on them here, before
+        # Pools.serve() reads its handlers (main.py makes the Commands first): the rate on every one,
+        # the silo's pool members on create and resize.
+        for verb in ("show", "list", "delete"):
+            setattr(pools, verb, self._limited(getattr(pools, verb)))
+        for verb in ("create", "resize"):
+            setattr(pools, verb, self._limited(self._pool_members(getattr(pools, verb))))
 
     async def serve(self) -> None:
         nc = self.app.nc
         q = SOURCE
+        admit = self._admit
+        await self._read_rates()
+        self._rates_task = asyncio.create_task(self._refresh_rates())
         await bus.serve(
             nc,
             subjects.command_pattern("silo"),
-            {SiloCreate: self.silo_create, SiloList: self.silo_list},
+            {
+                SiloCreate: self.silo_create,
+                SiloList: self.silo_list,
+                SiloShow: self.silo_show,
+                SiloLimitsSet: self.silo_limits_set,
+            },
             queue=q,
+            admit=admit,
         )
         await bus.serve(
             nc,
             subjects.command_pattern("project"),
             {ProjectCreate: self.project_create, ProjectList: self.project_list},
             queue=q,
+            admit=admit,
         )
         await bus.serve(
             nc,
@@ -81,16 +113,18 @@ class Commands:
                 InstanceDelete: self.instance_delete,
                 InstanceShow: self.instance_show,
                 InstanceList: self.instance_list,
-                InstanceRestart: self.instance_restart,
+                InstanceRestart: self.instance_restart,  # recovery's orders: never limited (limits.exempt)
                 InstanceSettle: self.instance_settle,
             },
             queue=q,
+            admit=admit,
         )
         await bus.serve(
             nc,
             subjects.command_pattern("sled"),
             {SledList: self.sled_list, SledExpunge: self.sled_expunge},
             queue=q,
+            admit=admit,
         )
         await bus.serve(
             nc,
@@ -103,6 +137,104 @@ class Commands:
             },
             queue=q,
         )
+
+    # --- tenant limits (docs/security.md "Tenant limits") ---
+
+    def _admit(self, msg: Msg) -> bus.CommandError | None:
+        """The command rate limits (limits.Limiter), checked as a command arrives, before it is even
+        decoded: one past them is answered at once with `limited: retry after N ms`."""
+        if limits.exempt(msg.subject) or not (ms := self.limiter.admit(msg.subject, msg.reply)):
+            return None
+        telemetry.count("commands.limited")
+        return bus.CommandError("limited", limits.limited(ms, msg.subject))
+
+    def _limited(self, handler: Handler) -> Handler:
+        """`handler` behind the rate limits, for the pool commands (served by pools.py, without `admit`)."""
+
+        async def limited(body: Any, msg: Msg) -> dict[str, Any]:
+            if refused := self._admit(msg):
+                raise refused
+            return await handler(body, msg)
+
+        return limited
+
+    def _pool_members(self, handler: Handler) -> Handler:
+        """A pool create or resize, refused if the silo's pools together would be sized past its limit.
+        The check and the command hold a session lock of the silo (the command commits on a connection
+        of its own), so creates and resizes of one silo, on any replica, are checked one at a time; one
+        at a time on a replica too, so that waiting for the lock holds at most one connection here."""
+
+        async def checked(body: PoolCreate | PoolResize, msg: Msg) -> dict[str, Any]:
+            async with self._pool_sizes, self.app.pool.acquire() as conn:
+                await conn.execute(Q["silo_limits_lock"], body.silo)
+                try:
+                    silo = await conn.fetchrow(Q["silo_limits"], body.silo)
+                    if silo is not None:
+                        others = await conn.fetchval(
+                            Q["silo_pool_members_count"], silo["id"], body.project, body.name
+                        )
+                        most = _limits(silo)["pool_members"]
+                        if others + body.size > most:
+                            raise _over(
+                                body.silo,
+                                most,
+                                "pool members",
+                                f"its other pools keep {others}, asked {body.size}",
+                            )
+                    return await handler(body, msg)
+                finally:
+                    await conn.execute(Q["silo_limits_unlock"], body.silo)
+
+        return checked
+
+    async def _read_rates(self) -> None:
+        rows = await self.app.pool.fetch(Q["silo_command_rates"])
+        self.limiter.rates = {r["name"]: float(r["command_rate"]) for r in rows}
+
+    async def _refresh_rates(self) -> None:
+        """Another replica's `silo limits` reaches this one's limiter within RATES_REFRESH seconds."""
+        while True:
+            await asyncio.sleep(limits.RATES_REFRESH)
+            try:
+                await self._read_rates()
+            except Exception as e:  # the database away: the rates held stay until it is back
+                log.info("silo command rates not read: %s", e)
+
+    async def silo_show(self, body: SiloShow, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn:
+            silo = await conn.fetchrow(Q["silo_limits"], body.silo)
+            if silo is None:
+                raise bus.NotFound(f"no silo {body.silo}")
+            used = {
+                "projects": await conn.fetchval(Q["silo_projects_count"], silo["id"]),
+                "instances": await conn.fetchval(Q["silo_instances_count"], silo["id"]),
+                "pool_members": await conn.fetchval(Q["silo_pool_members_count"], silo["id"], "", ""),
+            }
+        own = {k: silo[c] is not None for k, c in LIMIT_COLUMNS.items()}
+        return {
+            "id": str(silo["id"]),
+            "name": silo["name"],
+            "quota": silo["quota"],
+            "limits": _limits(silo),
+            "limits_own": own,
+            "used": used,
+        }
+
+    async def silo_limits_set(self, body: SiloLimitsSet, msg: Msg) -> dict[str, Any]:
+        async with self.app.pool.acquire() as conn:
+            found = await conn.fetchval(
+                Q["silo_limits_set"],
+                body.name,
+                body.projects,
+                body.instances,
+                body.pool_members,
+                body.command_rate,
+            )
+        if found is None:
+            raise bus.NotFound(f"no silo {body.name}")
+        if body.command_rate is not None:
+            self.limiter.rates[body.name] = float(body.command_rate)
+        return await self.silo_show(SiloShow(silo=body.name), msg)
 
     # --- silos and projects ---
 
@@ -131,12 +263,15 @@ class Commands:
 
     async def project_create(self, body: ProjectCreate, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():
-            silo = await conn.fetchrow(Q["silo_by_name"], body.silo)
+            silo = await conn.fetchrow(Q["silo_lock_limits"], body.silo)  # creates of a silo take turns
             if silo is None:
                 raise bus.NotFound(f"no silo {body.silo}")
             project_id = uuid.uuid4()
             if await conn.fetchval(Q["project_insert"], project_id, silo["id"], body.name) is None:
                 raise bus.Conflict(f"project {body.silo}/{body.name} already exists")
+            most = _limits(silo)["projects"]
+            if await conn.fetchval(Q["silo_projects_count"], silo["id"]) > most:  # the new one counted
+                raise _over(body.silo, most, "projects")
             await enqueue(
                 conn,
                 subjects.event(body.silo, "project", "created"),
@@ -200,15 +335,19 @@ class Commands:
     async def _create(self, body: InstanceCreate) -> dict[str, Any]:
         instance_id = uuid.uuid4()
         async with self.app.pool.acquire() as conn, conn.transaction():
+            silo = await conn.fetchrow(Q["silo_lock_limits"], body.silo)  # creates of a silo take turns
             project = await conn.fetchrow(Q["project_by_name"], body.silo, body.project)
-            if project is None:
+            if silo is None or project is None:
                 raise bus.NotFound(f"no project {body.silo}/{body.project}")
             params = {
                 **body.model_dump(mode="json", exclude={"from_pool", "require_pool"}),
                 "instance_id": str(instance_id),
                 "project_id": str(project["id"]),
             }
-            saga_id = await self.app.sagas.begin(conn, CREATE, params)
+            saga_id = await self.app.sagas.begin(conn, CREATE, params)  # its first step inserts it
+            most = _limits(silo)["instances"]
+            if await conn.fetchval(Q["silo_instances_count"], silo["id"]) > most:  # the new one counted
+                raise _over(body.silo, most, "instances")
         self.app.relay.kick()
         return await self._await_saga(saga_id, instance_id, "create")
 
@@ -334,3 +473,34 @@ class Commands:
         rows, next_cursor = paging.page(rows, body.limit, lambda r: (r["id"],))
         items = [{**dict(r), "boot_id": str(r["boot_id"]) if r["boot_id"] else None} for r in rows]
         return paging.reply(items, next_cursor)
+
+
+LIMIT_COLUMNS = {
+    "projects": "max_projects",
+    "instances": "max_instances",
+    "pool_members": "max_pool_members",
+    "command_rate": "command_rate",
+}
+"""A silo's tenant limits, as replies name them, and their columns (NULL: the rack's default)."""
+
+
+def _limits(silo: asyncpg.Record) -> dict[str, int]:
+    """The silo's limits in force: its own, else the rack's defaults (shared/config.py)."""
+    s = settings()
+    defaults = {
+        "projects": s.silo_max_projects,
+        "instances": s.silo_max_instances,
+        "pool_members": s.silo_max_pool_members,
+        "command_rate": s.silo_command_rate,
+    }
+    return {k: defaults[k] if silo[c] is None else silo[c] for k, c in LIMIT_COLUMNS.items()}
+
+
+def _over(silo: str, most: int, what: str, detail: str = "") -> bus.CommandError:
+    """The one-line refusal of a create past a silo's limit."""
+    more = f" ({detail})" if detail else ""
+    return bus.CommandError(
+        "limit",
+        f"silo {silo} may hold at most {most} {what}{more}: the fleet operator may raise it "
+        f"(rackctl silo limits {silo})",
+    )

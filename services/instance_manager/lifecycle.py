@@ -96,16 +96,16 @@ async def apply_vmm_reports(app: App, batch: list[bus.Delivery]) -> None:
         wrote = {(w["id"], w["sled_id"]) for w in written}
         await _unwritten(conn, [ds for k, ds in sent.items() if k not in wrote])
         telemetry.count("reports.stale", sum(len(ds) - 1 for ds in sent.values() if ds[0].refused is None))
+        insts = {
+            r["id"]: r for r in await conn.fetch(Q["instances_lock"], [w["instance_id"] for w in written])
+        }
         ended = [w for w in written if w["ended"]]  # their sled reservations go with them, exactly once
-        await conn.execute(
+        await conn.execute(  # sleds after instances: the lock order (docs/architecture.md)
             Q["sleds_unreserve"],
             [w["sled_id"] for w in ended],
             [w["vcpus"] for w in ended],
             [w["ram_bytes"] for w in ended],
         )
-        insts = {
-            r["id"]: r for r in await conn.fetch(Q["instances_lock"], [w["instance_id"] for w in written])
-        }
         named = Counter(w["instance_id"] for w in written)
         moves = _Moves()
         for vmm in sorted(written, key=lambda w: w["id"]):
@@ -344,13 +344,35 @@ async def fail_vmms(app: App, conn: asyncpg.Connection, lost: list[Lost]) -> dic
     return results
 
 
+class _LookAgain(Exception):
+    """A VMM was recorded on the sled being expunged between its first look and the sled's lock."""
+
+
 async def expunge(app: App, conn: asyncpg.Connection, sled_id: str) -> int:
-    """Take a sled out of the rack for good; fail every VMM it held. Returns how many."""
-    sled = await conn.fetchrow(Q["sled_lock"], sled_id)
-    if sled is None:
-        raise bus.NotFound(f"no sled {sled_id}")
+    """Take a sled out of the rack for good; fail every VMM it held. Returns how many.
+
+    Locks in the one lock order (docs/architecture.md): the sled's live VMM records, then their
+    instances, then the sled, each in id order, as a report or an order takes them; locking the sled
+    first deadlocked with a report ending one of its VMMs. A start records its VMM under a lock on the
+    sled that waits for this one (sleds.still_placeable), so a VMM recorded after the first look is
+    seen under the sled's lock: then the locks are let go (a savepoint rolled back) and taken again."""
+    while True:
+        seen = {v["id"] for v in await conn.fetch(Q["vmms_live_on_sled"], sled_id)}
+        try:
+            async with conn.transaction():  # a savepoint: rolled back, it lets go of what it locked
+                vmms = await conn.fetch(Q["vmms_lock"], sorted(seen, key=lambda u: u.int), 0)
+                instances = sorted({v["instance_id"] for v in vmms}, key=lambda u: u.int)
+                await conn.fetch(Q["instances_lock"], instances)
+                sled = await conn.fetchrow(Q["sled_lock"], sled_id)
+                if sled is None:
+                    raise bus.NotFound(f"no sled {sled_id}")
+                vmms = await conn.fetch(Q["vmms_live_on_sled"], sled_id)
+                if not {v["id"] for v in vmms} <= seen:
+                    raise _LookAgain
+                break
+        except _LookAgain:
+            continue
     await conn.execute(Q["sled_expunge"], sled_id)
-    vmms = await conn.fetch(Q["vmms_live_on_sled"], sled_id)
     reason = f"sled {sled_id} was expunged"
     await fail_vmms(
         app,

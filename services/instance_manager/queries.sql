@@ -213,15 +213,19 @@ ON CONFLICT (id) DO NOTHING;
 -- name: vmms_end
 -- End the VMM records $1 (state $2) and give their room back to their sleds, in one statement.
 -- Idempotent: returns only the records this call ended, so each reservation is released exactly once.
+-- The sleds are locked in id order first (`locked`: an UPDATE ... FROM over a set locks rows in the
+-- order its plan meets them, not in id order, and would deadlock with an inventory batch's sleds_lock).
 WITH ended AS (
     UPDATE vmms SET state = $2, ended_at = now()
     WHERE id = ANY($1::uuid[]) AND ended_at IS NULL
     RETURNING id, instance_id, sled_id, vcpus, ram_bytes, boot_number
+), locked AS (
+    SELECT s.id FROM sleds s WHERE s.id IN (SELECT sled_id FROM ended) ORDER BY s.id FOR NO KEY UPDATE
 ), freed AS (
     UPDATE sleds s
     SET reserved_vcpus = s.reserved_vcpus - f.vcpus, reserved_ram_bytes = s.reserved_ram_bytes - f.ram_bytes
     FROM (SELECT sled_id, sum(vcpus) AS vcpus, sum(ram_bytes) AS ram_bytes FROM ended GROUP BY sled_id) f
-    WHERE s.id = f.sled_id
+    WHERE s.id = f.sled_id AND s.id IN (SELECT id FROM locked)
 )
 SELECT * FROM ended ORDER BY id;
 -- name: vmms_apply_reports
@@ -246,14 +250,18 @@ RETURNING v.id, v.instance_id, v.sled_id, v.vcpus, v.ram_bytes, v.boot_number, r
 SELECT id, sled_id FROM vmms WHERE id = ANY($1::uuid[]);
 
 -- name: sleds_unreserve
--- Give back the room of VMMs whose records ended ($1 their sleds, one entry per VMM).
+-- Give back the room of VMMs whose records ended ($1 their sleds, one entry per VMM). The sleds are
+-- locked in id order first, as every path locks sleds (see vmms_end).
+WITH locked AS (
+    SELECT id FROM sleds WHERE id = ANY($1::text[]) ORDER BY id FOR NO KEY UPDATE
+)
 UPDATE sleds s
 SET reserved_vcpus = s.reserved_vcpus - f.vcpus, reserved_ram_bytes = s.reserved_ram_bytes - f.ram_bytes
 FROM (
     SELECT sled_id, sum(vcpus) AS vcpus, sum(ram_bytes) AS ram_bytes
     FROM unnest($1::text[], $2::int[], $3::bigint[]) AS u (sled_id, vcpus, ram_bytes) GROUP BY sled_id
 ) f
-WHERE s.id = f.sled_id;
+WHERE s.id = f.sled_id AND s.id IN (SELECT id FROM locked);
 
 -- name: instances_set_state
 -- instance_set_state for many instances, each to its own state ($2); returns each one's new generation.
@@ -470,3 +478,50 @@ ON CONFLICT DO NOTHING;
 DELETE FROM pending_charges p USING unnest($1::uuid[], $2::bigint[]) AS u (instance_id, generation)
 WHERE p.instance_id = u.instance_id AND p.generation = u.generation
 RETURNING p.instance_id, p.generation;
+
+-- name: silo_lock_limits
+-- Tenant limits: the silo's own limits (NULL: the rack's default), its row locked so that the creates
+-- of one silo that check a count serialize (FOR NO KEY UPDATE: a project insert's foreign key check,
+-- FOR KEY SHARE, is not held up).
+SELECT id, name, max_projects, max_instances, max_pool_members, command_rate
+FROM silos WHERE name = $1
+FOR NO KEY UPDATE;
+
+-- name: silo_limits
+SELECT id, name, quota, created_at, max_projects, max_instances, max_pool_members, command_rate
+FROM silos WHERE name = $1;
+
+-- name: silo_limits_set
+-- The fleet operator's `silo limits`: each given limit ($2..$5, NULL: unchanged) replaces the silo's.
+UPDATE silos SET max_projects = coalesce($2, max_projects), max_instances = coalesce($3, max_instances),
+                 max_pool_members = coalesce($4, max_pool_members), command_rate = coalesce($5, command_rate)
+WHERE name = $1
+RETURNING id;
+
+-- name: silo_command_rates
+-- The silos with a command rate of their own (the limiter's cache).
+SELECT name, command_rate FROM silos WHERE command_rate IS NOT NULL;
+
+-- name: silo_projects_count
+SELECT count(*) FROM projects WHERE silo_id = $1;
+
+-- name: silo_instances_count
+-- The silo's instances that are not destroyed (warm-pool VMs included: each is a VM of the silo's). A
+-- create's saga inserts its instance in the create's own transaction (its first step), under the lock.
+SELECT count(*) FROM instances i JOIN projects p ON p.id = i.project_id
+WHERE p.silo_id = $1 AND i.state <> 'destroyed';
+
+-- name: silo_pool_members_count
+-- The warm-pool VMs the silo's live pools are meant to keep, but the pool named $2/$3 (a resize
+-- replaces its size).
+SELECT coalesce(sum(pl.target_size), 0)::bigint
+FROM pools pl JOIN projects p ON p.id = pl.project_id
+WHERE p.silo_id = $1 AND pl.state = 'active' AND NOT (p.name = $2 AND pl.name = $3);
+
+-- name: silo_limits_lock
+-- Serializes the checks of one silo's pool sizes across replicas (a session lock: the pool commands
+-- commit in their own transaction, while it is held).
+SELECT pg_advisory_lock(hashtextextended('silo-limits:' || $1::text, 0));
+
+-- name: silo_limits_unlock
+SELECT pg_advisory_unlock(hashtextextended('silo-limits:' || $1::text, 0));

@@ -233,14 +233,19 @@ class Executor:
     async def _run_now(self, saga_id: uuid.UUID) -> str:
         """Take the saga's lease and drive it: "busy" if another process holds the lease, "lost" if
         another took it while this one ran (it goes on there), else the saga's final status."""
+        tries = 0
         while True:
             try:
                 if await self.pool.fetchval(SQL["lease_take"], saga_id, self.owner, LEASE) is not None:
                     break
-                return "busy"  # another process runs it, or it is over
+                lease = await self.pool.fetchrow(SQL["lease"], saga_id, self.owner)
+                tries += 1
+                if lease is None or not lease["ours_or_free"] or tries > 10:
+                    return "busy"  # another process runs it, or it is over
+                # Ours or free, and its row locked a moment (a renewal): take it once that is over.
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
                 log.info("saga %s: cannot take its lease yet (%s)", saga_id, e)
-                await asyncio.sleep(self.retry_delay)
+            await asyncio.sleep(self.retry_delay)
         try:
             return await self._drive(saga_id)
         except LeaseLost:

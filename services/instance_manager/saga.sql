@@ -17,11 +17,22 @@ ORDER BY created_at;
 
 -- name: lease_take
 -- Take the lease of saga $1 for process $2 ($3 seconds), only if it is free, expired or already ours.
--- Returns nothing when another process holds it.
+-- Returns nothing when another process holds it, or the row is locked: its holder is committing a step
+-- under the lease (lease_fence), and the lease stays with it.
 UPDATE sagas SET lease_owner = $2, lease_until = now() + make_interval(secs => $3)
-WHERE id = $1 AND status IN ('running', 'unwinding')
-  AND (lease_owner IS NULL OR lease_owner = $2 OR lease_until < now())
+WHERE id = (
+    SELECT id FROM sagas
+    WHERE id = $1 AND status IN ('running', 'unwinding')
+      AND (lease_owner IS NULL OR lease_owner = $2 OR lease_until < now())
+    FOR NO KEY UPDATE SKIP LOCKED
+)
 RETURNING id;
+
+-- name: lease
+-- Whether saga $1, unfinished, has its lease free, expired or held by process $2 (read without a lock):
+-- when lease_take found its row locked, whether to try again.
+SELECT lease_owner IS NULL OR lease_owner = $2 OR lease_until < now() AS ours_or_free
+FROM sagas WHERE id = $1 AND status IN ('running', 'unwinding');
 
 -- name: leases_renew
 -- Every unfinished saga process $1 holds runs on for $2 seconds more. Rows locked right now (a step of

@@ -139,7 +139,9 @@ from shared.messages.silos import (
     ProjectList,
     SiloCreate,
     SiloCreated,
+    SiloLimitsSet,
     SiloList,
+    SiloShow,
 )
 from shared.messages.simulator import (
     SimFaults,
@@ -259,7 +261,9 @@ __all__ = [
     "ServiceFaults",
     "SiloCreate",
     "SiloCreated",
+    "SiloLimitsSet",
     "SiloList",
+    "SiloShow",
     "SimFaults",
     "SimRackReboot",
     "SimSledAdd",

@@ -5,18 +5,26 @@ Every message on the bus is an `Envelope` whose `data` validates against the mod
 `(schema, version)`. A message that fails this never reaches a handler: the bus layer answers it with an
 error reply (commands) or dead-letters it with the reason (streams).
 
+What arrives is read strictly (pydantic strict mode, in JSON mode): an integer must be a JSON integer,
+not "2", true or 2.0, and a boolean a JSON boolean, so that a sender never has its mistake guessed into
+a value; UUIDs and times, which JSON has no type for, are strings in their format. And no string of any
+message may hold what PostgreSQL cannot store (NUL): refused here, where it enters, naming the field,
+rather than failing as an `internal` error at the first query that carries it.
+
 Every limit lives here, and only here, so that the domain modules say what a message holds and this one
 how large any of it may be.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import to_json
 
 # --- names --------------------------------------------------------------------------------------------
 
@@ -75,6 +83,10 @@ PAGE_LIMIT = 500
 PageSize = Annotated[int, Field(ge=1, le=PAGE_LIMIT)]
 Cursor = Annotated[str, Field(min_length=1, max_length=300)]
 PoolSize = Annotated[int, Field(ge=0, le=1000)]
+LimitCount = Annotated[int, Field(ge=0, le=10_000_000)]
+"""A silo's tenant limit on how many projects, instances or pool members it may hold."""
+CommandRate = Annotated[int, Field(ge=1, le=1_000_000)]
+"""A silo's command rate limit, commands a second."""
 
 # --- usage history ------------------------------------------------------------------------------------
 
@@ -127,10 +139,38 @@ class BadMessage(Exception):
         self.reason = reason
 
 
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+"""What no text column can hold: NUL (PostgreSQL's text refuses it), and lone surrogates (not UTF-8)."""
+
+
+def storable(value: Any) -> Any:
+    """`value`, if every string in it (nested, and a dictionary's keys) is one PostgreSQL can store."""
+    if isinstance(value, str):
+        if found := UNSTORABLE.search(value):
+            raise ValueError(f"holds U+{ord(found.group()):04X} at {found.start()}, which no string may")
+    elif isinstance(value, list | tuple | set | frozenset):
+        for item in value:
+            storable(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            storable(key)
+            storable(item)
+    return value
+
+
 class Model(BaseModel):
-    """Commands, reports and deltas are read strictly: a field the reader does not know is an error."""
+    """Commands, reports and deltas are read strictly: a field the reader does not know is an error.
+
+    Every string field of every message (this class's and `Event`'s subclasses, the envelope too) passes
+    `storable`: one rule here, rather than one per field or command, so that a field added tomorrow is
+    covered too. A nested model checks its own fields."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        return storable(value)
 
 
 class Event(Model):
@@ -149,6 +189,13 @@ class Envelope(Model):
     data: dict[str, Any]
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("schema_", "source")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        """The envelope's own strings; `data` is the body's model's to check, so that a NUL in the body is
+        `invalid` and names its field (this replaces `Model._storable`, which would check it here)."""
+        return storable(value)
 
 
 class Reply(BaseModel):
@@ -207,7 +254,7 @@ def encode(env: Envelope) -> bytes:
 def decode(raw: bytes, expect: type[Model] | tuple[type[Model], ...] | None = None) -> tuple[Envelope, Model]:
     """Parse and validate raw bytes into (envelope, body); raise BadMessage with a reason otherwise."""
     try:
-        env = Envelope.model_validate_json(raw)
+        env = Envelope.model_validate_json(raw, strict=True)
     except ValidationError as e:
         raise BadMessage("malformed", f"not a valid envelope: {_first_error(e)}") from None
     model = _REGISTRY.get((env.schema_, env.version))
@@ -231,10 +278,17 @@ def decode(raw: bytes, expect: type[Model] | tuple[type[Model], ...] | None = No
             names = ", ".join(_SCHEMA_OF[m][0] for m in allowed)
             raise BadMessage("wrong_schema", f"expected {names}, got {env.schema_}")
     try:
-        body = model.model_validate(env.data)
+        body = read_body(model, env.data)
     except ValidationError as e:
         raise BadMessage("invalid", f"{env.schema_} v{env.version}: {_first_error(e)}") from None
     return env, body
+
+
+def read_body(model: type[_ModelT], data: Any) -> _ModelT:
+    """`data`, a body as JSON carried it, read by `model` strictly and in JSON mode: strict python mode
+    would refuse a UUID or a time given as a string, the only way JSON can give them. (Written back to
+    JSON by pydantic-core, as fast as a lax read of the dict; NaN and infinities kept as they came.)"""
+    return model.model_validate_json(to_json(data, inf_nan_mode="constants"), strict=True)
 
 
 def _first_error(e: ValidationError) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 
 from shared.messages.accounting import Quota
-from shared.messages.base import Event, Model, Name, message
+from shared.messages.base import CommandRate, Event, LimitCount, Model, Name, message
 from shared.messages.paging import Paged
 
 
@@ -22,6 +22,25 @@ class SiloCreate(Model):
 @message("rp.cmd.silo.list")
 class SiloList(Paged):
     pass
+
+
+@message("rp.cmd.silo.show")
+class SiloShow(Model):
+    """A silo, its quota and its tenant limits (each with what it holds now): the silo's operator may ask."""
+
+    silo: Name
+
+
+@message("rp.cmd.silo.limits")
+class SiloLimitsSet(Model):
+    """The fleet operator sets a silo's tenant limits; a limit not given stays as it is. The silo is
+    `name`, not `silo`, so that the command travels on `_fleet`, which no silo's operator may send on."""
+
+    name: Name
+    projects: LimitCount | None = None
+    instances: LimitCount | None = None
+    pool_members: LimitCount | None = None
+    command_rate: CommandRate | None = None
 
 
 @message("rp.cmd.project.create")

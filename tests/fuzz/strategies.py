@@ -7,6 +7,9 @@ A message is aimed at one subject an identity may publish on, and is one of:
 - mutated: a valid body with one field replaced by a hostile value (a number past any bigint, a
   negative one, control characters, a huge string, the wrong type), an unknown field added, or a field
   dropped;
+- a near miss: a forged body with one field written in a JSON type its reader must refuse although a
+  lax reader would take it (`"2"`, `true` or `2.0` for an integer, `1` or `"true"` for a boolean), or a
+  string holding a NUL that PostgreSQL cannot store: it must be refused (`invalid`), never served;
 - a broken envelope: an unknown schema, an unsupported version, a missing or mistyped envelope field;
 - garbage: random bytes, truncated JSON, or a payload near or past the broker's max_payload.
 """
@@ -127,6 +130,48 @@ def mutated(draw: st.DrawFn, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def json_types(s: dict[str, Any], defs: dict[str, Any]) -> set[str]:
+    """The JSON types a field's schema allows (empty: any)."""
+    if "$ref" in s:
+        return json_types(defs[s["$ref"].rsplit("/", 1)[1]], defs)
+    if "anyOf" in s:
+        return set().union(*(json_types(x, defs) for x in s["anyOf"]))
+    if "type" in s:
+        return {s["type"]}
+    values = s.get("enum", [s["const"]] if "const" in s else [])
+    return {{str: "string", bool: "boolean", int: "integer", float: "number"}[type(v)] for v in values}
+
+
+def misses(types: set[str], value: Any) -> list[Any]:
+    """Values a field of these JSON types must refuse although each is close to a valid one."""
+    out: list[Any] = []
+    if types == {"integer"} or types == {"integer", "null"}:
+        n = value if isinstance(value, int) and not isinstance(value, bool) else 2
+        out += [str(n), True, float(n)]
+    if types == {"boolean"} or types == {"boolean", "null"}:
+        out += [1, 0, "true"]
+    if types == {"number"} or types == {"number", "null"}:
+        out += ["1.5", True]
+    if "string" in types and isinstance(value, str):
+        out += [value[: len(value) // 2] + "\x00" + value[len(value) // 2 :]]
+        if not types & {"integer", "number"}:
+            out += [7]
+    return out
+
+
+@st.composite
+def near_miss(draw: st.DrawFn, model: type[Model], body: dict[str, Any]) -> dict[str, Any] | None:
+    """`body` with one field a near miss (see the module's docstring); None if it has no such field."""
+    schema = model.model_json_schema()
+    props, defs = schema.get("properties", {}), schema.get("$defs", {})
+    choices = {k: misses(json_types(props[k], defs), v) for k, v in body.items() if k in props}
+    choices = {k: v for k, v in choices.items() if v}
+    if not choices:
+        return None
+    key = draw(st.sampled_from(sorted(choices)))
+    return {**body, key: draw(st.sampled_from(choices[key]))}
+
+
 @st.composite
 def forged(draw: st.DrawFn, body: dict[str, Any], real: Real) -> dict[str, Any]:
     """Swap ids and names for real ones: the body names things that exist, but not as its sender may."""
@@ -172,10 +217,24 @@ def shots(draw: st.DrawFn, subject: str, models: list[type[Model]], real: Real) 
     model = draw(st.sampled_from(models)) if draw(st.integers(0, 9)) else draw(st.sampled_from(everything))
     schema, version = schema_of(model)
     body = draw(bodies(model))
-    kind = draw(
-        st.sampled_from(["valid", "forged", "forged", "mutated", "mutated", "mutated", "envelope", "garbage"])
-    )
-    if kind == "valid":
+    kinds = [
+        "valid",
+        "forged",
+        "forged",
+        "mutated",
+        "mutated",
+        "near miss",
+        "near miss",
+        "envelope",
+        "garbage",
+    ]
+    kind = draw(st.sampled_from(kinds))
+    missed = draw(near_miss(model, draw(forged(body, real)))) if kind == "near miss" else None
+    if kind == "near miss" and missed is None:
+        kind = "mutated"  # a body with no field that has a near miss (an empty one)
+    if missed is not None:
+        payload = _json(envelope(schema, version, missed))
+    elif kind == "valid":
         payload = _json(envelope(schema, version, body))
     elif kind == "forged":
         payload = _json(envelope(schema, version, draw(forged(body, real))))
