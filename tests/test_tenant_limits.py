@@ -20,7 +20,7 @@ from deploy.stack import Stack
 from rackctl.client import Client
 from services.instance_manager.limits import Limiter
 from shared import bus, subjects
-from shared.messages import ProjectCreate, ProjectList, SiloLimitsSet, encode, envelope
+from shared.messages import PoolList, ProjectCreate, ProjectList, SiloLimitsSet, encode, envelope
 from tests.conftest import GiB, eventually, unique
 from tests.test_cli import ROOT, rackctl
 
@@ -239,7 +239,7 @@ async def test_one_silos_flood_leaves_another_silos_starts_fast(
     )
     assert flood["limited"] > 0 and flood["other"] == 0, flood
     assert fp50 <= max(3 * p50, p50 + 0.3), (quiet_alone, quiet_flooded)
-    assert fp99 <= max(3 * p99, p99 + 1.0), (quiet_alone, quiet_flooded)
+    assert fp99 <= max(3 * p99, p99 + 1.5), (quiet_alone, quiet_flooded)
     await asyncio.gather(*(client.instance("stop", quiet, "p", n) for n in names))
 
 
@@ -262,6 +262,11 @@ async def test_the_client_waits_the_retry_after_it_is_told(stack: Stack, client:
 
     answers = await asyncio.gather(*(raw() for _ in range(30)))
     assert answers.count("ok") <= 11 and answers.count("limited") >= 19, answers
+    # the pool commands (served by pools.py) are behind the same buckets
+    e = await _refused(
+        bus.request(nc, subjects.command(silo, "pool", "list"), PoolList(silo=silo), source="t")
+    )
+    assert e.code == "limited", e
     # a forged reply subject (another identity's inbox) gets no further: the silo's bucket is empty too
     forged = envelope(ProjectCreate(silo=silo, name="forged"), "test")
     await nc.publish(subjects.command(silo, "project", "create"), encode(forged), reply="_INBOX_recovery.x.1")
