@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -31,8 +30,6 @@ from shared.messages import (
     InstanceShow,
     InstanceStart,
     InstanceStop,
-    PoolCreate,
-    PoolResize,
     ProjectCreate,
     ProjectCreated,
     ProjectList,
@@ -56,8 +53,6 @@ SAGA_REPLY_WAIT = 10.0
 LOST_ORDERS_TOGETHER = 64
 """Most lost orders applied in one transaction (each names up to LOST_BATCH VMMs of one sled)."""
 
-Handler = Callable[[Any, Msg], Awaitable[dict[str, Any]]]
-
 
 class Commands:
     def __init__(self, app: App, pools: Pools) -> None:
@@ -68,19 +63,11 @@ class Commands:
         s = settings()
         self.limiter = limits.Limiter(s.identity_command_rate, s.silo_command_rate, s.command_burst)
         self._rates_task: asyncio.Task[None] | None = None
-        self._pool_sizes = asyncio.Lock()
-        # The pool commands are served by pools.py; their tenant limits are put on them here, before
-        # Pools.serve() reads its handlers (main.py makes the Commands first): the rate on every one,
-        # the silo's pool members on create and resize.
-        for verb in ("show", "list", "delete"):
-            setattr(pools, verb, self._limited(getattr(pools, verb)))
-        for verb in ("create", "resize"):
-            setattr(pools, verb, self._limited(self._pool_members(getattr(pools, verb))))
 
     async def serve(self) -> None:
         nc = self.app.nc
         q = SOURCE
-        admit = self._admit
+        admit = self.admit
         await self._read_rates()
         self._rates_task = asyncio.create_task(self._refresh_rates())
         await bus.serve(
@@ -140,52 +127,13 @@ class Commands:
 
     # --- tenant limits (docs/security.md "Tenant limits") ---
 
-    def _admit(self, msg: Msg) -> bus.CommandError | None:
+    def admit(self, msg: Msg) -> bus.CommandError | None:
         """The command rate limits (limits.Limiter), checked as a command arrives, before it is even
         decoded: one past them is answered at once with `limited: retry after N ms`."""
         if limits.exempt(msg.subject) or not (ms := self.limiter.admit(msg.subject, msg.reply)):
             return None
         telemetry.count("commands.limited")
         return bus.CommandError("limited", limits.limited(ms, msg.subject))
-
-    def _limited(self, handler: Handler) -> Handler:
-        """`handler` behind the rate limits, for the pool commands (served by pools.py, without `admit`)."""
-
-        async def limited(body: Any, msg: Msg) -> dict[str, Any]:
-            if refused := self._admit(msg):
-                raise refused
-            return await handler(body, msg)
-
-        return limited
-
-    def _pool_members(self, handler: Handler) -> Handler:
-        """A pool create or resize, refused if the silo's pools together would be sized past its limit.
-        The check and the command hold a session lock of the silo (the command commits on a connection
-        of its own), so creates and resizes of one silo, on any replica, are checked one at a time; one
-        at a time on a replica too, so that waiting for the lock holds at most one connection here."""
-
-        async def checked(body: PoolCreate | PoolResize, msg: Msg) -> dict[str, Any]:
-            async with self._pool_sizes, self.app.pool.acquire() as conn:
-                await conn.execute(Q["silo_limits_lock"], body.silo)
-                try:
-                    silo = await conn.fetchrow(Q["silo_limits"], body.silo)
-                    if silo is not None:
-                        others = await conn.fetchval(
-                            Q["silo_pool_members_count"], silo["id"], body.project, body.name
-                        )
-                        most = _limits(silo)["pool_members"]
-                        if others + body.size > most:
-                            raise _over(
-                                body.silo,
-                                most,
-                                "pool members",
-                                f"its other pools keep {others}, asked {body.size}",
-                            )
-                    return await handler(body, msg)
-                finally:
-                    await conn.execute(Q["silo_limits_unlock"], body.silo)
-
-        return checked
 
     async def _read_rates(self) -> None:
         rows = await self.app.pool.fetch(Q["silo_command_rates"])
@@ -210,12 +158,12 @@ class Commands:
                 "instances": await conn.fetchval(Q["silo_instances_count"], silo["id"]),
                 "pool_members": await conn.fetchval(Q["silo_pool_members_count"], silo["id"], "", ""),
             }
-        own = {k: silo[c] is not None for k, c in LIMIT_COLUMNS.items()}
+        own = {k: silo[c] is not None for k, c in limits.COLUMNS.items()}
         return {
             "id": str(silo["id"]),
             "name": silo["name"],
             "quota": silo["quota"],
-            "limits": _limits(silo),
+            "limits": limits.in_force(silo),
             "limits_own": own,
             "used": used,
         }
@@ -269,9 +217,9 @@ class Commands:
             project_id = uuid.uuid4()
             if await conn.fetchval(Q["project_insert"], project_id, silo["id"], body.name) is None:
                 raise bus.Conflict(f"project {body.silo}/{body.name} already exists")
-            most = _limits(silo)["projects"]
+            most = limits.in_force(silo)["projects"]
             if await conn.fetchval(Q["silo_projects_count"], silo["id"]) > most:  # the new one counted
-                raise _over(body.silo, most, "projects")
+                raise limits.over(body.silo, most, "projects")
             await enqueue(
                 conn,
                 subjects.event(body.silo, "project", "created"),
@@ -345,9 +293,9 @@ class Commands:
                 "project_id": str(project["id"]),
             }
             saga_id = await self.app.sagas.begin(conn, CREATE, params)  # its first step inserts it
-            most = _limits(silo)["instances"]
+            most = limits.in_force(silo)["instances"]
             if await conn.fetchval(Q["silo_instances_count"], silo["id"]) > most:  # the new one counted
-                raise _over(body.silo, most, "instances")
+                raise limits.over(body.silo, most, "instances")
         self.app.relay.kick()
         return await self._await_saga(saga_id, instance_id, "create")
 
@@ -473,34 +421,3 @@ class Commands:
         rows, next_cursor = paging.page(rows, body.limit, lambda r: (r["id"],))
         items = [{**dict(r), "boot_id": str(r["boot_id"]) if r["boot_id"] else None} for r in rows]
         return paging.reply(items, next_cursor)
-
-
-LIMIT_COLUMNS = {
-    "projects": "max_projects",
-    "instances": "max_instances",
-    "pool_members": "max_pool_members",
-    "command_rate": "command_rate",
-}
-"""A silo's tenant limits, as replies name them, and their columns (NULL: the rack's default)."""
-
-
-def _limits(silo: asyncpg.Record) -> dict[str, int]:
-    """The silo's limits in force: its own, else the rack's defaults (shared/config.py)."""
-    s = settings()
-    defaults = {
-        "projects": s.silo_max_projects,
-        "instances": s.silo_max_instances,
-        "pool_members": s.silo_max_pool_members,
-        "command_rate": s.silo_command_rate,
-    }
-    return {k: defaults[k] if silo[c] is None else silo[c] for k, c in LIMIT_COLUMNS.items()}
-
-
-def _over(silo: str, most: int, what: str, detail: str = "") -> bus.CommandError:
-    """The one-line refusal of a create past a silo's limit."""
-    more = f" ({detail})" if detail else ""
-    return bus.CommandError(
-        "limit",
-        f"silo {silo} may hold at most {most} {what}{more}: the fleet operator may raise it "
-        f"(rackctl silo limits {silo})",
-    )

@@ -27,7 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared import subjects
+import asyncpg
+
+from shared import bus, subjects
+from shared.config import settings
 
 RATES_REFRESH = 5.0
 """Seconds between two reads of the silos' own command rates (another replica's `silo limits`)."""
@@ -113,3 +116,36 @@ def exempt(subject: str) -> bool:
 def limited(ms: int, subject: str) -> str:
     """The one-line answer to a limited command (rackctl's client reads `retry after N ms`)."""
     return f"limited: retry after {ms} ms (silo {subjects.silo_of(subject)} sends commands too fast)"
+
+
+# --- counts: what a silo may hold ---
+
+COLUMNS = {
+    "projects": "max_projects",
+    "instances": "max_instances",
+    "pool_members": "max_pool_members",
+    "command_rate": "command_rate",
+}
+"""A silo's tenant limits, as replies name them, and their columns (NULL: the rack's default)."""
+
+
+def in_force(silo: asyncpg.Record) -> dict[str, int]:
+    """The silo's limits in force: its own, else the rack's defaults (shared/config.py)."""
+    s = settings()
+    defaults = {
+        "projects": s.silo_max_projects,
+        "instances": s.silo_max_instances,
+        "pool_members": s.silo_max_pool_members,
+        "command_rate": s.silo_command_rate,
+    }
+    return {k: defaults[k] if silo[c] is None else silo[c] for k, c in COLUMNS.items()}
+
+
+def over(silo: str, most: int, what: str, detail: str = "") -> bus.CommandError:
+    """The one-line refusal of a create past a silo's limit."""
+    more = f" ({detail})" if detail else ""
+    return bus.CommandError(
+        "limit",
+        f"silo {silo} may hold at most {most} {what}{more}: the fleet operator may raise it "
+        f"(rackctl silo limits {silo})",
+    )

@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle, paging
+from services.instance_manager import lifecycle, limits, paging
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.start_saga import START, AlreadyRunning
@@ -100,7 +101,8 @@ class Pools:
         self.app = app
         self.keeper = keeper
 
-    async def serve(self) -> None:
+    async def serve(self, admit: Callable[[Msg], bus.CommandError | None] | None = None) -> None:
+        """Serve the pool commands, behind `admit` (the tenant command rates: Commands.admit)."""
         handlers: dict[Any, Any] = {
             PoolCreate: self.create,
             PoolShow: self.show,
@@ -108,7 +110,7 @@ class Pools:
             PoolResize: self.resize,
             PoolDelete: self.delete,
         }
-        await bus.serve(self.app.nc, subjects.command_pattern("pool"), handlers, queue=SOURCE)
+        await bus.serve(self.app.nc, subjects.command_pattern("pool"), handlers, queue=SOURCE, admit=admit)
 
     async def create(self, body: PoolCreate, msg: Msg) -> dict[str, Any]:
         new_id = uuid.uuid4()
@@ -116,6 +118,7 @@ class Pools:
             project = await conn.fetchrow(Q["project_by_name"], body.silo, body.project)
             if project is None:
                 raise bus.NotFound(f"no project {body.silo}/{body.project}")
+            await within_limit(conn, body)
             try:
                 async with conn.transaction():
                     shape = (body.vcpus, body.ram_bytes, body.disk_bytes)
@@ -144,6 +147,7 @@ class Pools:
     async def resize(self, body: PoolResize, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():
             found = await pool_id(conn, body.silo, body.project, body.name)
+            await within_limit(conn, body)
             await conn.execute(P["pool_resize"], found, body.size)
             v = await announce(self.app, conn, found, "resized")
         self.keeper.kick()
@@ -195,6 +199,18 @@ class Backoff:
     """Monotonic time before which the pool gets no create or start."""
     refused_at: float = 0.0
     """When the last refusal was heard: a success of a try begun before it resets nothing."""
+
+
+async def within_limit(conn: asyncpg.Connection, body: PoolCreate | PoolResize) -> None:
+    """A pool create or resize is refused if the silo's live pools together would be sized past its limit
+    of pool members. The silo's row is locked first, in the command's own transaction, as instance and
+    project creates lock it, so that the checks of one silo, on any replica, take turns."""
+    silo = await conn.fetchrow(Q["silo_lock_limits"], body.silo)
+    others = await conn.fetchval(Q["silo_pool_members_count"], silo["id"], body.project, body.name)
+    most = limits.in_force(silo)["pool_members"]
+    if others + body.size > most:
+        detail = f"its other pools keep {others}, asked {body.size}"
+        raise limits.over(body.silo, most, "pool members", detail)
 
 
 class Keeper:

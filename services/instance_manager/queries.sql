@@ -517,11 +517,3 @@ WHERE p.silo_id = $1 AND i.state <> 'destroyed';
 SELECT coalesce(sum(pl.target_size), 0)::bigint
 FROM pools pl JOIN projects p ON p.id = pl.project_id
 WHERE p.silo_id = $1 AND pl.state = 'active' AND NOT (p.name = $2 AND pl.name = $3);
-
--- name: silo_limits_lock
--- Serializes the checks of one silo's pool sizes across replicas (a session lock: the pool commands
--- commit in their own transaction, while it is held).
-SELECT pg_advisory_lock(hashtextextended('silo-limits:' || $1::text, 0));
-
--- name: silo_limits_unlock
-SELECT pg_advisory_unlock(hashtextextended('silo-limits:' || $1::text, 0));

@@ -44,6 +44,7 @@ from shared import subjects
 from shared.bus import MSG_ID
 from shared.db import OutboxRelay, create_pool
 from shared.messages import ProvisionDelta, Quota, decode, encode, envelope
+from tests.bench import UNLIMITED
 from tests.conftest import GiB, connect_as, eventually, private_rack, unique
 
 pytestmark = pytest.mark.bench
@@ -274,7 +275,7 @@ async def test_accounting_drains_deltas_at_the_speed_of_the_broker() -> None:
         # they come after it, and accounting sends their outcomes again, as it would then
         "RACKPLANE_DUPLICATE_WINDOW": "1",
     }
-    async with private_rack("acct-bench", timeout=60, **env) as (stack, client, db):
+    async with private_rack("acct-bench", timeout=60, **UNLIMITED, **env) as (stack, client, db):
         stream, want = await make_deltas(client, db)
         n = len(stream)
         admin = await asyncpg.connect(stack.admin_database_url)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from rackctl.client import Client
+from tests.bench import UNLIMITED
 from tests.bench.test_pool_bench import summary, timed
 from tests.conftest import GiB, Rack, private_rack
 
@@ -28,7 +29,7 @@ MOVERS = int(os.environ.get("BENCH_MOVERS", "16"))
 @pytest.fixture
 async def rack() -> AsyncIterator[Rack]:
     env = {"RACKPLANE_SLEDS": "2", "RACKPLANE_SLED_SHAPES": "512:1024", "RACKPLANE_LOG": "WARNING"}
-    async with private_rack("movebench", timeout=120, RACKPLANE_TRACES="none", **env) as made:
+    async with private_rack("movebench", timeout=120, RACKPLANE_TRACES="none", **UNLIMITED, **env) as made:
         yield made
 
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from shared.messages import SimFaults
+from tests.bench import UNLIMITED
 from tests.conftest import GiB, Rack, eventually, private_rack
 
 pytestmark = pytest.mark.bench
@@ -27,7 +28,7 @@ PICKERS = int(os.environ.get("BENCH_PICKERS", "16"))
 @pytest.fixture
 async def rack() -> AsyncIterator[Rack]:
     env = {"RACKPLANE_SLEDS": "2", "RACKPLANE_SLED_SHAPES": "512:512", "RACKPLANE_LOG": "WARNING"}
-    async with private_rack("poolbench", timeout=120, RACKPLANE_TRACES="none", **env) as made:
+    async with private_rack("poolbench", timeout=120, RACKPLANE_TRACES="none", **UNLIMITED, **env) as made:
         yield made
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from services.recovery.reconcile import Reconciler
 from shared import db as shared_db
+from tests.bench import UNLIMITED
 from tests.conftest import private_rack
 
 pytestmark = pytest.mark.bench
@@ -68,7 +69,9 @@ async def write_rack(conn: asyncpg.Connection) -> None:
 
 
 async def test_a_reconcile_pass_over_a_rack_at_scale() -> None:
-    async with private_rack("reconcile", RACKPLANE_SLEDS="1", RACKPLANE_RECONCILE_INTERVAL="3600") as (
+    async with private_rack(
+        "reconcile", RACKPLANE_SLEDS="1", RACKPLANE_RECONCILE_INTERVAL="3600", **UNLIMITED
+    ) as (
         stack,
         client,
         _db,

@@ -19,6 +19,7 @@ import asyncpg
 import pytest
 
 from rackctl.client import Client
+from tests.bench import UNLIMITED
 from tests.conftest import GiB, Rack, eventually, private_rack, sleds_known
 
 pytestmark = pytest.mark.bench
@@ -32,7 +33,7 @@ def one_full_sled() -> AbstractAsyncContextManager[Rack]:
     shape = f"{N + 64}:{N + 64}"
     return private_rack(
         "bench", timeout=120, RACKPLANE_SLEDS="1", RACKPLANE_SLED_SHAPES=shape, RACKPLANE_LOG="WARNING",
-        RACKPLANE_TRACES="none",
+        RACKPLANE_TRACES="none", **UNLIMITED,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from deploy.stack import ROOT, Stack
 from services.recovery.reconcile import RECONCILERS
 from shared.db import queries as db_queries
 from shared.messages import AutoRestart, Quota
+from tests.bench import UNLIMITED
 from tests.bench.processes import memory
 from tests.conftest import GiB, private_rack
 
@@ -269,7 +270,7 @@ async def test_power_loss_of_the_whole_rack() -> None:
         **PRODUCTION,
     }
     print(f"\nscale benchmark: {SLEDS} sleds, {INSTANCES} instances", flush=True)
-    async with private_rack("scale", timeout=600, **env) as (stack, client, db):
+    async with private_rack("scale", timeout=600, **UNLIMITED, **env) as (stack, client, db):
         quota = Quota(vcpus=10**7, ram_bytes=10**16, disk_bytes=10**17)
         await client.silo_create("bench", quota=quota)
         await client.project_create("bench", "p")

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from shared.messages import Quota
+from tests.bench import UNLIMITED
 from tests.bench.processes import cpu_split
 from tests.bench.test_pool_bench import summary, timed
 from tests.conftest import GiB, Rack, eventually, private_rack
@@ -41,7 +42,7 @@ async def rack() -> AsyncIterator[Rack]:
         "RACKPLANE_LOG": "WARNING",
         "RACKPLANE_TRACES": "none",
     }
-    async with private_rack("startbench", timeout=120, **env) as made:
+    async with private_rack("startbench", timeout=120, **UNLIMITED, **env) as made:
         for k in range(2, REPLICAS + 1):
             made[0].start_service("instance_manager", replica=f"instance-manager-{k}")
         yield made
