@@ -20,7 +20,7 @@ from rackctl.client import Client
 from services.accounting.history import append_history
 from shared import bus
 from shared.messages import Quota
-from tests.conftest import GiB, unique, usage_is, wait_state
+from tests.conftest import GiB, eventually, unique, usage_is, wait_state
 from tests.test_cli import assert_ok, assert_one_error, rackctl, rackctl_offline
 from tests.test_security import _with_silo_operator
 
@@ -219,6 +219,14 @@ async def test_unknown_or_bad_scopes_are_one_line(stack: Stack, client: Client) 
     assert_one_error(await rackctl(stack, "usage", "history", "no-such-silo"), "no silo no-such-silo")
     silo = unique("hist")
     await client.silo_create(silo)
+
+    async def accounting_knows_it() -> bool:  # it learns of a silo from the event, a moment later
+        try:
+            return await client.usage_history(silo) is not None
+        except bus.CommandError:
+            return False
+
+    await eventually(accounting_knows_it)
     assert_one_error(
         await rackctl(stack, "usage", "plot", f"{silo}/nope", "--out", "x.png"), f"no project {silo}/nope"
     )

@@ -12,22 +12,26 @@ import pytest
 from rackctl import check as checker
 from shared import subjects
 from tests import release
-from tests.chaos.scenario import CHAOS_ENV, ISSUE_28, WEIGHTS, Scenario
+from tests.chaos.scenario import CHAOS_ENV, SELF_HARM, WEIGHTS, Scenario
 from tests.conftest import instance_changes, private_rack
 
 
 async def run(seed: int, duration: float, old: Path | None = None, beside: tuple[str, ...] = ()) -> None:
     """One chaos run; with `old` (the source tree of an earlier release), a replica of each service in
     `beside` at that release runs beside today's the whole time, killed and restarted like any other (and
-    the weather of issue 28, whose bugs that release has, is left out)."""
+    the weather of a rack harming itself, which that release does not survive, is left out; and so are
+    its failures of stuck starts on a clock alone, which today's never makes: `earlier_stuck_failure`)."""
     async with private_rack("chaos", timeout=5, **CHAOS_ENV) as (stack, client, db):
         for name in beside:
             assert old is not None
             stack.start_service(name, replica=f"{name}-old", root=old)
         stack.wait_ready(beside)
         started = time.monotonic()
-        weights = {op: w for op, w in WEIGHTS.items() if not (old and op in ISSUE_28)}
-        report = await Scenario(stack, client, db, seed, duration, weights=weights).run()
+        weights = {op: w for op, w in WEIGHTS.items() if not (old and op in SELF_HARM)}
+        scenario = Scenario(stack, client, db, seed, duration, weights=weights)
+        if old and "instance_manager" in beside:
+            scenario.excused = earlier_stuck_failure
+        report = await scenario.run()
         print(f"\n{report.summary()}\n  wall time: {time.monotonic() - started:.1f}s")
         if os.environ.get("CHAOS_LOG"):  # the operations, as a failing run prints them
             print("\n".join(report.log))
@@ -43,6 +47,13 @@ async def run(seed: int, duration: float, old: Path | None = None, beside: tuple
             alone = v1.keys() - v2.keys()
             print(f"  instance changes: {len(v1)} as v1, {len(v2)} as v2, {len(alone)} as v1 alone")
             assert alone, "the instance-manager of the earlier release sent nothing"
+
+
+def earlier_stuck_failure(line: str) -> bool:
+    """A start failed as stuck with no inventory as evidence: only an instance-manager of a release from
+    before stuck was judged on the sled's evidence makes one (today's records the inventory it judged on),
+    and such a replica takes part in a rolling upgrade's run."""
+    return line.endswith("as evidence: on a clock alone")
 
 
 async def test_a_short_fixed_seed_chaos_run_keeps_every_invariant() -> None:
