@@ -58,3 +58,42 @@ def write(name: str, context: Context, dir: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(context), indent=1) + "\n")
     return path
+
+
+COMMANDERS = ("console", "test", "fleet-operator")
+"""Identities that may run every operator command: a context of one of them is what a refused one is
+pointed to."""
+EVENTS_ONLY = ("events-reader",)
+"""Identities that may only read events (`make run` writes a context for each)."""
+
+
+def _name_of(path: Path) -> str:
+    return path.stem if path.parent == contexts_dir() else str(path)
+
+
+def denied_hint(name: str | None) -> str | None:
+    """What to say after the broker refused this context a command: which context is in use, and one that
+    may run it (`default`, as `make run` writes it, first), so nobody has to guess from a subject."""
+    path = path_of(name or os.environ.get("RACKCTL_CONTEXT") or DEFAULT)
+    try:
+        current = load(name)
+    except ConnectionError:
+        return None
+    if current is None:
+        return None
+    others = sorted(contexts_dir().glob("*.json"), key=lambda p: (p.stem != DEFAULT, p.stem))
+    alt = None
+    for other in others:
+        if other.resolve() == path.resolve():
+            continue
+        try:
+            identity = json.loads(other.read_text()).get("identity")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if identity in COMMANDERS and identity != current.identity:
+            alt = other.stem
+            break
+    use = f"use --context {alt}" if alt else "use a context whose identity may (docs/security.md)"
+    if current.identity in EVENTS_ONLY:
+        return f"this context ({_name_of(path)}) may only read events: {use} for other commands"
+    return f"this context ({_name_of(path)}, identity {current.identity}) may not do this: {use}"

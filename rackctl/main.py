@@ -7,7 +7,9 @@ group (pool, sim, chaos, check...) is only a new module of functions, not parser
 Contract for scripts: exit 0 on success, 1 when the control plane refuses, fails or times out (one line
 on stderr: `rackctl: error: ...`), 2 on a usage error (an irreversible command without `--yes`, and a
 name an auditing command cannot find, included);
-`--json` prints the reply data and nothing else.
+`--json` prints the reply data and nothing else, and turns any error into one JSON object on stderr,
+`{"error": {"code": ..., "message": ...}}`, with the same exit code. Global options (`--json`,
+`--context`, `--nats`, `--timeout`) go before or after the command words.
 Set RACKCTL_LOG=DEBUG to see library logs on stderr (silent by default so errors stay one line).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -22,6 +25,8 @@ from typing import NoReturn
 
 import argcomplete
 import nats.errors
+
+from rackctl import context as contexts
 
 # importing rackctl.commands (its __init__) registers every command, in the order of --help
 from rackctl.commands.args import seconds
@@ -36,6 +41,7 @@ from rackctl.commands.base import (
     UsageError,
     epilog,
 )
+from rackctl.commands.completion import COMPLETERS, names_completer
 from rackctl.commands.version import version_text
 from shared import bus, telemetry
 from shared.config import DEFAULT_NATS_URL, ConfigError
@@ -45,12 +51,23 @@ DEFAULT_TIMEOUT = 60.0
 EXAMPLES = (
     "rackctl silo create acme --cpus 16 --ram 64GiB  # a silo with quotas",
     "rackctl instance start acme/web/frontend --wait  # start an instance, and wait until it runs",
-    "rackctl instance list --silo acme --json  # any read as JSON",
+    "rackctl --json instance list --silo acme  # any read as JSON (global options go anywhere)",
     "rackctl --context acme-operator usage  # as another identity (docs/security.md)",
     "source <(rackctl completion bash)  # complete commands and options as they are typed",
 )
 FORMAT = argparse.RawDescriptionHelpFormatter
 """Every help keeps its examples' lines as written."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own usage errors as JSON on stderr too, when the line asks for `--json`."""
+
+    json_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_errors:
+            self.exit(_report(message, "usage", status=2))
+        super().error(message)
 
 
 class _Version(argparse.Action):
@@ -90,7 +107,7 @@ def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Operate a rackplane control plane.",
         epilog=epilog(EXAMPLES) + f"\n\n`{PROG} COMMAND --help` shows a command's options and examples.",
@@ -100,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action=_Version, help="show the version and the message schemas, then exit"
     )
     _global_options(parser, defaults=True)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the reply data as JSON, and nothing else; errors as JSON on stderr",
+    )
     common = argparse.ArgumentParser(add_help=False)
     _global_options(common, defaults=False)
     subs = {(): parser.add_subparsers(title="commands", metavar="COMMAND", required=True)}
@@ -132,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         for add in cmd.options:
             add(leaf)
+        for action in leaf._actions:
+            if action.dest == "json":  # a command's own --json must not reset one given before its words
+                action.default = argparse.SUPPRESS
+            if isinstance(action.metavar, str) and action.metavar in COMPLETERS:
+                action.completer = names_completer(COMPLETERS[action.metavar])  # type: ignore[attr-defined]
         leaf.set_defaults(command=cmd, parser=leaf)
         leaves[words] = leaf
     return parser
@@ -156,7 +183,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     _setup_logging()
     parser = build_parser()
     argcomplete.autocomplete(parser)  # answers a shell's completion request and exits; otherwise nothing
+    words = sys.argv[1:] if argv is None else argv
+    _Parser.json_errors = "--json" in words[: words.index("--")] if "--" in words else "--json" in words
     args = parser.parse_args(argv)
+    _Parser.json_errors = bool(getattr(args, "json", False))
     try:
         telemetry.setup_tracing(PROG)
     except ValueError as e:
@@ -166,16 +196,24 @@ def main(argv: list[str] | None = None) -> NoReturn:
         asyncio.run(run(args.command, args))
     except UsageError as e:
         args.parser.error(str(e))
-    except (Unconfirmed, UnknownName) as e:
-        _report(str(e))
-        code = 2
+    except Unconfirmed as e:
+        code = _report(str(e), "unconfirmed", status=2)
+    except UnknownName as e:
+        code = _report(str(e), "unknown_name", status=2)
     except BrokenPipeError:  # stdout closed early (`rackctl ... | head`): not an error worth a line
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 1
-    except (bus.CommandError, Failure, ConnectionError, ConfigError) as e:
-        code = _report(str(e))
+    except bus.CommandError as e:
+        hint = contexts.denied_hint(args.context) if e.code == "forbidden" else None
+        code = _report(f"{e}: {hint}" if hint else str(e), e.code)
+    except Failure as e:
+        code = _report(str(e), "failed")
+    except ConnectionError as e:
+        code = _report(str(e), "unreachable")
+    except ConfigError as e:
+        code = _report(str(e), "config")
     except nats.errors.Error as e:
-        code = _report(f"nats: {e}")
+        code = _report(f"nats: {e}", "nats")
     except KeyboardInterrupt:
         code = 130
     finally:
@@ -183,10 +221,15 @@ def main(argv: list[str] | None = None) -> NoReturn:
     sys.exit(code)
 
 
-def _report(message: str) -> int:
-    """One line on stderr, whatever the message holds."""
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
-    return 1
+def _report(message: str, code: str = "failed", status: int = 1) -> int:
+    """One line on stderr, whatever the message holds: `rackctl: error: ...`, or with --json one JSON object
+    (`code` is the service's refusal code, else what kind of failure), so a script never parses prose."""
+    text = " ".join(message.split())
+    if _Parser.json_errors:
+        print(json.dumps({"error": {"code": code, "message": text}}), file=sys.stderr)
+    else:
+        print(f"{PROG}: error: {text}", file=sys.stderr)
+    return status
 
 
 def _exit_error(message: str) -> NoReturn:

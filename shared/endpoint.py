@@ -1,6 +1,7 @@
 """Each service's small HTTP endpoint, for Prometheus and for whatever runs the process:
 
-- `/metrics`: every metric of the process, in Prometheus' text format (shared/metrics.py);
+- `/metrics`: every metric of the process, in Prometheus' text format, or OpenMetrics when the scraper's
+  `Accept` asks for `application/openmetrics-text` (shared/metrics.py);
 - `/healthz`: 200 while the process's event loop answers at all (restart it if not);
 - `/readyz`: 200 once the service serves and while each of its dependencies answers within `TIMEOUT`
   (the broker connected; `SELECT 1` on the database pool), else 503 with one line per failing check.
@@ -47,12 +48,11 @@ async def readiness() -> list[str]:
     return failing
 
 
-async def _respond(path: str) -> tuple[int, str, bytes]:
+async def _respond(path: str, accept: str = "") -> tuple[int, str, bytes]:
     if path == "/metrics":
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         await metrics.sample()
-        return 200, CONTENT_TYPE_LATEST, metrics.scrape()
+        kind, body = metrics.scrape(openmetrics="application/openmetrics-text" in accept)
+        return 200, kind, body
     if path == "/healthz":
         return 200, "text/plain", b"ok\n"
     if path == "/readyz":
@@ -69,12 +69,18 @@ _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Unavai
 async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        method, path, *_ = [*head.split(b"\r\n", 1)[0].decode("latin-1").split(" "), "", ""]
+        request, *fields = head.decode("latin-1").split("\r\n")
+        method, path, *_ = [*request.split(" "), "", ""]
         path = path.split("?", 1)[0]
+        accept = ",".join(
+            v.strip().lower()
+            for k, _, v in (f.partition(":") for f in fields)
+            if k.strip().lower() == "accept"
+        )
         if method not in ("GET", "HEAD"):
             status, kind, body = 405, "text/plain", b"GET only\n"
         else:
-            status, kind, body = await _respond(path)
+            status, kind, body = await _respond(path, accept)
         writer.write(
             f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {kind}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

@@ -143,7 +143,12 @@ async def chaos(ctx: Ctx) -> None:
             ]
             print_table(("SERVICE", "FAULTS", "INJECTED"), rows)
 
-        ctx.emit(await client.faults_status(timeout=min(ctx.args.timeout, 2.0)), table)
+        replies = await client.faults_status(timeout=min(ctx.args.timeout, 2.0))
+        ctx.emit(replies, table)
+        if replies and all("error" in r for r in replies):  # a status of nothing is a failure, for scripts
+            raise Failure(
+                "no service answered: " + "; ".join(f"{r['service']}: {r['error']}" for r in replies)
+            )
         return
 
     def human(d: dict[str, Any]) -> None:

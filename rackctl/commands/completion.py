@@ -1,18 +1,42 @@
-"""`rackctl completion`: the shell code that completes rackctl's commands and options as they are typed.
+"""`rackctl completion`: the shell code that completes rackctl's commands, options and names as typed.
 
 The completions come from rackctl's own parser (argcomplete): the shell runs rackctl with the line typed
-so far, and `rackctl.main` answers before it parses anything.
+so far, and `rackctl.main` answers before it parses anything. The shell code binds every name a user
+types rackctl by (`rackctl`, `.venv/bin/rackctl` as the README runs it, and the path of the script that
+printed it); silo, project and instance names are asked of the control plane with the current context,
+within a second, and an error completes nothing rather than printing anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import argcomplete
 
+from rackctl.client import Client
 from rackctl.commands.base import Ctx, command
+from shared.messages import InstanceList
 
 SHELLS = ("bash", "zsh")
+ASK_WITHIN = 1.0
+"""A completion must not hang the shell: the whole question, connection included, in a second."""
+
+
+def executables() -> list[str]:
+    """Every name the completion binds: the bare name, the checkout's venv script (relative, as the README
+    types it), and the script that is running now (absolute), when rackctl runs as a script."""
+    names = ["rackctl", ".venv/bin/rackctl", "./.venv/bin/rackctl"]
+    script = Path(sys.argv[0])
+    if script.name == "rackctl":
+        names.append(str(script.resolve()) if script.exists() else str(script))
+    return list(dict.fromkeys(names))
 
 
 def _shell_arg(p: argparse.ArgumentParser) -> None:
@@ -21,7 +45,7 @@ def _shell_arg(p: argparse.ArgumentParser) -> None:
 
 @command(
     "completion",
-    "print the shell code that completes rackctl's commands and options (bash or zsh)",
+    "print the shell code that completes rackctl's commands, options and names (bash or zsh)",
     _shell_arg,
     examples=(
         "rackctl completion bash > ~/.local/share/bash-completion/completions/rackctl  # bash, for good",
@@ -30,4 +54,49 @@ def _shell_arg(p: argparse.ArgumentParser) -> None:
     ),
 )
 async def completion(ctx: Ctx) -> None:
-    print(argcomplete.shellcode(["rackctl"], shell=ctx.args.shell), end="")
+    print(argcomplete.shellcode(executables(), shell=ctx.args.shell), end="")
+
+
+# --- names, asked of the control plane --------------------------------------------------------------------
+
+
+async def _names(prefix: str, depth: int, args: argparse.Namespace) -> list[str]:
+    """Names at the level `prefix` has reached (silo, then project, then instance), each level but the
+    last ending in `/` so that the shell goes on into it."""
+    client = await Client.connect(
+        getattr(args, "nats", None) or os.environ.get("NATS_URL") or None,
+        timeout=ASK_WITHIN,
+        connect_within=ASK_WITHIN,
+        context=getattr(args, "context", None),
+    )
+    try:
+        parts = prefix.split("/")
+        level = min(len(parts), depth)
+        if level == 1:
+            found = [s["name"] for s in await client.silo_list()]
+        elif level == 2:
+            found = [f"{parts[0]}/{p['name']}" for p in await client.project_list(parts[0])]
+        else:
+            views = await client.every(InstanceList(silo=parts[0], project=parts[1]))
+            found = [f"{parts[0]}/{parts[1]}/{v['name']}" for v in views]
+        more = "/" if level < depth else ""
+        return [f + more for f in found if (f + more).startswith(prefix)]
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+
+
+def names_completer(depth: int) -> Callable[..., list[str]]:
+    """An argcomplete completer for SILO (1), SILO/PROJECT (2) or SILO/PROJECT/INSTANCE (3)."""
+
+    def complete(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+        try:
+            return asyncio.run(asyncio.wait_for(_names(prefix, depth, parsed_args), ASK_WITHIN * 2))
+        except Exception:  # a completion that fails completes nothing, silently
+            return []
+
+    return complete
+
+
+COMPLETERS = {"SILO": 1, "SILO/PROJECT": 2, "SILO/PROJECT/INSTANCE": 3}
+"""The depth of name each metavar takes; rackctl.main gives those arguments a names_completer."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import uuid
@@ -27,6 +28,7 @@ from nats.js import JetStreamContext, api
 from rackctl.commands.args import ago, count, silo_path
 from rackctl.commands.base import Ctx, command, group
 from shared import bus, subjects
+from shared.messages import InstanceList
 
 INACTIVE = 30.0
 """Seconds the broker keeps a follower's consumer once nobody pulls from it (so one left by a killed
@@ -84,9 +86,58 @@ async def follow(
         await asyncio.sleep(0.5)
 
 
-def row(msg: Msg) -> tuple[Any, ...]:
+LOOKUP_EVERY = 5.0
+"""Seconds between two lookups of one silo's names: an id no lookup finds (a deleted instance) stays an id
+rather than costing a request per event."""
+
+
+class Names:
+    """Instance (`project/name`) and project names by id, for the NAME column of events that carry only
+    ids (provision outcomes, usage changes): learnt from every instance event shown, else from the silo's
+    instance list, asked at most every LOOKUP_EVERY seconds. A context that may not list (a subscriber's)
+    or a list that fails leaves the id as it is: the column is a courtesy, never an error."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+        self.known: dict[str, str] = {}
+        self.asked: dict[str, float] = {}
+        self.off = False
+
+    def learn(self, view: dict[str, Any]) -> None:
+        if view.get("id") and view.get("project") and view.get("name"):
+            self.known[str(view["id"])] = f"{view['project']}/{view['name']}"
+        if view.get("project_id") and view.get("project"):
+            self.known[str(view["project_id"])] = str(view["project"])
+
+    async def fill(self, silo: str, data: dict[str, Any]) -> None:
+        """Make sure the ids `data` names are known, if a lookup can tell."""
+        if isinstance(data.get("instance"), dict):
+            self.learn(data["instance"])
+            return
+        wanted = [str(data[k]) for k in ("instance_id", "project_id") if data.get(k)]
+        if self.off or all(w in self.known for w in wanted) or not wanted:
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self.asked.get(silo, -LOOKUP_EVERY) < LOOKUP_EVERY:
+            return
+        self.asked[silo] = now
+        try:
+            client = await self.ctx.client()
+            views = await asyncio.wait_for(client.every(InstanceList(silo=silo)), 2.0)
+        except bus.CommandError as e:
+            self.off = e.code == "forbidden"  # this context may only follow (a subscriber's): ask no more
+            return
+        except (TimeoutError, nats.errors.Error):
+            return
+        for v in views:
+            self.learn(v)
+
+
+def row(msg: Msg, names: dict[str, str] | None = None) -> tuple[Any, ...]:
     """One event as a table row. Read tolerantly, as any event reader does: a field it does not know is
-    ignored, a schema it does not know still shows its subject."""
+    ignored, a schema it does not know still shows its subject. An id is shown as its name when `names`
+    has it."""
+    names = names or {}
     when = msg.metadata.timestamp.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
     tokens = msg.subject.split(".")
     if re.fullmatch(r"v\d+", tokens[-1]):  # a later version of the schema: the same change, shown once
@@ -109,11 +160,12 @@ def row(msg: Msg) -> tuple[Any, ...]:
         v = data["sled"]
         name, state, generation = v.get("id"), v.get("state"), v.get("boot_number")
     elif "outcome" in data:
-        name, state, generation = data.get("instance_id"), data.get("outcome"), data.get("generation")
+        iid = data.get("instance_id")
+        name, state, generation = names.get(str(iid), iid), data.get("outcome"), data.get("generation")
     elif event.endswith(".created"):
         name, state = data.get("name"), "created"
     elif "project_id" in data:
-        name = data.get("project_id")
+        name = names.get(str(data.get("project_id")), data.get("project_id"))
     return (when, silo, event, name, state, generation)
 
 
@@ -164,11 +216,14 @@ async def events_follow(ctx: Ctx) -> None:
         print(line(HEADERS), flush=True)
     shown = 0
     recent: deque[tuple[Any, ...]] = deque(maxlen=256)
+    names = Names(ctx)
     async for msg in follow(js, subjects.event_pattern(a.silo), since=since):
         if a.json:
             text = json.dumps(as_json(msg), sort_keys=True)
         else:
-            cells = row(msg)
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError, IndexError):
+                await names.fill(msg.subject.split(".")[2], json.loads(msg.data)["data"])
+            cells = row(msg, names.known)
             if cells[1:] in recent:  # the same change in another version of its schema (docs/subjects.md)
                 continue
             recent.append(cells[1:])
