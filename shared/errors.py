@@ -20,5 +20,8 @@ def transient(e: BaseException) -> bool:
         | asyncpg.exceptions.OperatorInterventionError
         | asyncpg.exceptions.CannotConnectNowError
         | asyncpg.exceptions.TransactionRollbackError  # a deadlock or serialization failure: try again
+        # asyncpg's protocol out of step, as it is left when the server ends a connection mid-statement
+        # (pg_terminate_backend): "cannot switch to state 15; another operation (2) is in progress"
+        | asyncpg.exceptions.InternalClientError
         | nats.errors.Error,
     )
