@@ -74,6 +74,18 @@ def _remove(stack: Stack) -> None:
         shutil.rmtree(stack.dir, ignore_errors=True)
 
 
+def restart_service(stack: Stack, service: str, crash_at: str | None = None) -> None:
+    """Restart a service (or start it, if it is down), armed to die at a crash point (or not)."""
+    if stack.services[service].alive:
+        stack.services[service].stop()
+    if crash_at:
+        stack.env["RACKPLANE_CRASH_AT"] = crash_at
+    else:
+        stack.env.pop("RACKPLANE_CRASH_AT", None)
+    stack.start_service(service)
+    stack.wait_ready((service,))
+
+
 async def sleds_known(client: Client, n: int) -> bool:
     return len(await client.sled_list()) >= n
 

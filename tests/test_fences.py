@@ -42,6 +42,7 @@ from tests.conftest import (
     eventually,
     new_project,
     private_rack,
+    restart_service,
     sleds_known,
     unique,
     wait_state,
@@ -359,16 +360,6 @@ HOLD_LEASE = (
 """Hold a saga's lease as another process would (services/instance_manager/saga.py), or ($2 NULL) free it."""
 
 
-def restart_im(stack: Stack, crash_at: str | None = None) -> None:
-    stack.services["instance_manager"].stop()
-    if crash_at:
-        stack.env["RACKPLANE_CRASH_AT"] = crash_at
-    else:
-        stack.env.pop("RACKPLANE_CRASH_AT", None)
-    stack.start_service("instance_manager")
-    stack.wait_ready(("instance_manager",))
-
-
 @pytest.mark.parametrize("step", ["create_vmm", "ensure_on_sled"])
 async def test_an_expunge_during_a_start_leaves_no_vmm_on_the_expunged_sled(
     rack: MakeRack, step: str
@@ -381,7 +372,7 @@ async def test_an_expunge_during_a_start_leaves_no_vmm_on_the_expunged_sled(
     await client.instance_create(
         silo, proj, "vm", vcpus=4, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
     )
-    restart_im(stack, crash_at=f"saga:instance-start/{step}")
+    restart_service(stack, "instance_manager", crash_at=f"saga:instance-start/{step}")
     client.timeout = 2
     with contextlib.suppress(bus.CommandError):
         await client.instance("start", silo, proj, "vm")
@@ -395,7 +386,8 @@ async def test_an_expunge_during_a_start_leaves_no_vmm_on_the_expunged_sled(
         holder = await asyncpg.connect(stack.admin_database_url)
         await holder.execute(HOLD_LEASE, saga_id, "test-holder")
     try:
-        restart_im(stack)  # it cannot resume the saga while the lease is held: it serves the expunge
+        # it cannot resume the saga while the lease is held: it serves the expunge
+        restart_service(stack, "instance_manager")
         await client.sled_expunge("sled-0")
     finally:
         await holder.execute(HOLD_LEASE, saga_id, None)  # the saga resumes now, finds sled-0 expunged

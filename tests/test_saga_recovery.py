@@ -15,7 +15,16 @@ from deploy.stack import Stack
 from rackctl.client import Client
 from shared.bus import CommandError
 from shared.messages import Quota
-from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, usage_is, wait_state
+from tests.conftest import (
+    GiB,
+    Rack,
+    assert_invariants,
+    eventually,
+    private_rack,
+    restart_service,
+    usage_is,
+    wait_state,
+)
 
 STEPS = ["charge", "place", "create_vmm", "ensure_on_sled", "after:charge", "after:ensure_on_sled"]
 
@@ -26,17 +35,6 @@ async def crashy() -> AsyncIterator[Rack]:
     # loaded machine, and recovery would then rightly call a resumed migration off as stuck.
     async with private_rack("crash", RACKPLANE_ACK_WAIT="2", RACKPLANE_TRANSITION_TIMEOUT="30") as rack:
         yield rack
-
-
-def restart(stack: Stack, service: str, crash_at: str | None = None) -> None:
-    """Restart a service, armed to die at a crash point (or not)."""
-    stack.services[service].stop()
-    if crash_at:
-        stack.env["RACKPLANE_CRASH_AT"] = crash_at
-    else:
-        stack.env.pop("RACKPLANE_CRASH_AT", None)
-    stack.start_service(service)
-    stack.wait_ready((service,))
 
 
 async def new_instance(client: Client, silo: str) -> tuple[str, str, str]:
@@ -66,9 +64,9 @@ async def test_a_start_saga_resumes_after_a_crash_before_each_step(crashy: Rack,
     stack, client, db = crashy
     silo, proj, name = await new_instance(client, f"crash-{step.replace('_', '-').replace(':', '-')}")
 
-    restart(stack, "instance_manager", crash_at=f"saga:instance-start/{step}")
+    restart_service(stack, "instance_manager", crash_at=f"saga:instance-start/{step}")
     await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
-    restart(stack, "instance_manager")
+    restart_service(stack, "instance_manager")
     await wait_state(client, silo, proj, name, "running", timeout=20)
     await one_running_vmm_one_charge_and_stoppable(client, db, silo, proj, name)
 
@@ -96,7 +94,7 @@ async def test_a_create_saga_goes_on_after_a_crash_once_its_disk_is_charged(cras
     silo = "crash-after-disk"
     await client.silo_create(silo)
     await client.project_create(silo, "p")
-    restart(stack, "instance_manager", crash_at="saga:instance-create/after:charge_disk")
+    restart_service(stack, "instance_manager", crash_at="saga:instance-create/after:charge_disk")
     client.timeout = 2.0
     try:
         await client.instance_create(silo, "p", "vm", vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
@@ -105,7 +103,7 @@ async def test_a_create_saga_goes_on_after_a_crash_once_its_disk_is_charged(cras
     finally:
         client.timeout = 15.0
     await eventually(lambda: _dead(stack), timeout=15)
-    restart(stack, "instance_manager")
+    restart_service(stack, "instance_manager")
     await wait_state(client, silo, "p", "vm", "stopped", timeout=20)
     await usage_is(client, {"vcpus": 0, "ram_bytes": 0, "disk_bytes": GiB}, silo)
     await client.instance("start", silo, "p", "vm")
@@ -130,7 +128,7 @@ async def test_a_migrate_saga_resumes_after_a_crash_before_each_step(crashy: Rac
     await client.instance("start", silo, proj, name)
     before = await wait_state(client, silo, proj, name, "running")
 
-    restart(stack, "instance_manager", crash_at=f"saga:instance-migrate/{step}")
+    restart_service(stack, "instance_manager", crash_at=f"saga:instance-migrate/{step}")
     client.timeout = 2.0
     try:
         await client.instance_migrate(silo, proj, name)
@@ -139,7 +137,7 @@ async def test_a_migrate_saga_resumes_after_a_crash_before_each_step(crashy: Rac
     finally:
         client.timeout = 15.0
     await eventually(lambda: _dead(stack), timeout=15)
-    restart(stack, "instance_manager")
+    restart_service(stack, "instance_manager")
 
     async def moved() -> bool:
         v = await client.instance("show", silo, proj, name)
@@ -162,10 +160,10 @@ async def test_an_unwinding_saga_finishes_unwinding_after_a_crash(
     await client.project_create(silo, proj)
     await client.instance_create(silo, proj, name, vcpus=2, ram_bytes=GiB, disk_bytes=GiB)
 
-    restart(stack, "instance_manager", crash_at="saga:instance-start/undo:interlock")
+    restart_service(stack, "instance_manager", crash_at="saga:instance-start/undo:interlock")
     # refused by the quota: the saga unwinds, and dies on the way
     await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
-    restart(stack, "instance_manager")
+    restart_service(stack, "instance_manager")
     stopped = await wait_state(client, silo, proj, name, "stopped", timeout=20)
     assert "vCPU quota exceeded" in stopped["last_error"]
     await assert_invariants(db)
@@ -182,10 +180,10 @@ async def test_accounting_killed_between_commit_and_ack_counts_the_charge_once(
     await client.project_create(silo, proj)
     await client.instance_create(silo, proj, name, vcpus=3, ram_bytes=GiB, disk_bytes=GiB)
 
-    restart(stack, "accounting", crash_at="after-commit:accounting-deltas-*")
+    restart_service(stack, "accounting", crash_at="after-commit:accounting-deltas-*")
     # the reply waits for the charge, which waits for accounting to come back
     await start_and_let_it_crash(stack, client, silo, proj, name, "accounting")
-    restart(stack, "accounting")
+    restart_service(stack, "accounting")
     await wait_state(client, silo, proj, name, "running", timeout=20)
 
     async def redelivered_and_recognised() -> bool:

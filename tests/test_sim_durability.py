@@ -21,7 +21,16 @@ from rackctl.sizes import format_size
 from shared import subjects
 from shared.bus import CommandError
 from shared.messages.simulator import SimSledCapacity
-from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, usage_is, wait_state
+from tests.conftest import (
+    GiB,
+    Rack,
+    assert_invariants,
+    eventually,
+    private_rack,
+    restart_service,
+    usage_is,
+    wait_state,
+)
 from tests.test_cli import rackctl
 
 
@@ -38,14 +47,7 @@ async def restart_simulator(stack: Stack, crash_at: str | None = None) -> None:
     """Restart the simulator, armed to die at a crash point (or not). Armed, wait for every sled's first
     inventory, which reserves its block of sequence numbers with a write of its state: the write of the
     command to come is then its own (a write made on the way, before the ack, would hide the bug)."""
-    if stack.services["sled_agent"].alive:
-        stack.services["sled_agent"].stop()
-    if crash_at:
-        stack.env["RACKPLANE_CRASH_AT"] = crash_at
-    else:
-        stack.env.pop("RACKPLANE_CRASH_AT", None)
-    stack.start_service("sled_agent")
-    stack.wait_ready(("sled_agent",))
+    restart_service(stack, "sled_agent", crash_at)
     if crash_at:
         await asyncio.sleep(1.5)  # RACKPLANE_INVENTORY_INTERVAL is 1 s in tests
 
