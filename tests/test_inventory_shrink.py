@@ -87,5 +87,7 @@ async def test_a_sled_that_shrinks_below_its_reservation_is_recorded_and_its_reb
             ("recovery", "recovery-inventory"),
         ):
             assert await counter(client, service, f"{durable}.dead_lettered") == 0
-        assert await counter(client, "recovery", "reconcile.vmm_lost_stale") == 0
+        # Both VMMs were settled by lost orders. One sent from a picture a moment behind may be refused
+        # as stale first and sent again: that is the fence working, not the shrink getting in the way.
+        assert await counter(client, "recovery", "reconcile.vmm_lost") >= 2
         await assert_invariants(db)
