@@ -40,6 +40,12 @@ from shared import subjects
 from shared.messages import NAME_PATTERN
 
 ACCOUNT = "RACKPLANE"
+SUBSCRIBERS = "SUBSCRIBERS"
+"""The account of the services that follow the events (subscribers) and of the one identity that makes
+their streams: apart from rackplane's, so that nothing a subscriber does on the bus (a push consumer that
+delivers anywhere, a publish) reaches a subject of rackplane's. The broker sources the events into it
+across the accounts (`Store.config`)."""
+SUBSCRIBER_ADMIN = "subscriber-admin"
 SERVICES = ("instance-manager", "accounting", "recovery", "simulator")
 """Identities of the service processes (`simulator` is the sled-agent process's own connection)."""
 OPERATORS = (
@@ -49,8 +55,8 @@ OPERATORS = (
     "auditor",
     "console",
     "test",
-    "events-reader",
     "dlq-admin",
+    SUBSCRIBER_ADMIN,
 )
 TEST = "test"
 """The identity of the tests and of fault injection: made only where asked for (`standard(test=True)`: the
@@ -116,7 +122,7 @@ def service_common(service: str) -> Grants:
 
 
 def sled_grants(sled_id: str) -> Grants:
-    durable = f"sled-agent-{sled_id}"
+    durable = subjects.sled_durable(sled_id)
     return consume(subjects.SLED_CMD_STREAM, durable, subjects.sled_command(sled_id, ">")) | Grants(
         publish=(
             JS_INFO,
@@ -143,6 +149,8 @@ def service_grants(name: str) -> Grants:
                     subjects.provision_delta("*", "*", "*"),
                     subjects.event("*", "silo", "created"),
                     subjects.event("*", "project", "created"),
+                    subjects.event("*", "silo", "deleted"),
+                    subjects.event("*", "project", "deleted"),
                     subjects.event("*", "instance", "changed"),
                     subjects.event("*", "instance", "changed", version=2),
                     subjects.event("*", "pool", "changed"),
@@ -187,17 +195,11 @@ def service_grants(name: str) -> Grants:
     raise ValueError(f"no service {name!r}")
 
 
-EVENTS_READER_DURABLE = subjects.EVENTS_READER
-EVENTS_READER = Grants(publish=(JS_INFO,)) | consume(
-    subjects.EVENTS_STREAM, EVENTS_READER_DURABLE, subjects.event_pattern(None)
-)
-
-
 def durables_of(stream: str) -> tuple[str, ...]:
-    """Every durable consumer on `stream` that an identity here is granted: the services' and the events
-    reader's, read off their own grants (`consume`), so that a new durable is known here at once."""
+    """Every durable consumer on `stream` that a service is granted, read off their own grants (`consume`),
+    so that a new durable is known here at once."""
     prefix = f"$JS.API.CONSUMER.CREATE.{stream}."
-    grants = [service_grants(s) for s in SERVICES] + [EVENTS_READER]
+    grants = [service_grants(s) for s in SERVICES]
     names = (p[len(prefix) :].split(".")[0] for g in grants for p in g.publish if p.startswith(prefix))
     return tuple(dict.fromkeys(names))
 
@@ -208,7 +210,7 @@ def follow_events(filter_subject: str) -> Grants:
     The consumer is named (`$JS.API.CONSUMER.CREATE.EVENTS.<name>.<filter>`: the server checks that the
     filter of the subject is the config's), so the grant holds the reader to its filter. A create request
     naming an existing consumer updates it, though, filter included: the durables of the services and of
-    the events reader are denied by name, so no follower can re-point or drain them."""
+    are denied by name, so no follower can re-point or drain them."""
     stream, api = subjects.EVENTS_STREAM, "$JS.API.CONSUMER"
     durables = durables_of(stream)
     return Grants(
@@ -217,6 +219,47 @@ def follow_events(filter_subject: str) -> Grants:
             deny
             for d in durables
             for deny in (f"{api}.CREATE.{stream}.{d}.>", f"{api}.MSG.NEXT.{stream}.{d}")
+        ),
+    )
+
+
+def subscriber_grants(name: str, silo: str | None) -> Grants:
+    """A subscriber's: every consumer on its own stream (`subjects.subscriber_stream`), which holds only the
+    events of its scope, durable or ordered, created only with a filter within that scope (the filter is in
+    the create subject, which the server checks against the config's); its stream's info and messages by
+    sequence. Nothing on EVENTS itself, so no subscriber can read, drain or re-point another's consumers."""
+    stream, api = subjects.subscriber_stream(name), "$JS.API.CONSUMER"
+    return Grants(
+        publish=(
+            JS_INFO,
+            f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"{api}.CREATE.{stream}.*.{subjects.event_pattern(silo)}",
+            f"{api}.INFO.{stream}.*",
+            f"{api}.DELETE.{stream}.*",
+            f"{api}.NAMES.{stream}",
+            f"{api}.LIST.{stream}",
+            f"{api}.MSG.NEXT.{stream}.*",
+            f"$JS.ACK.{stream}.>",
+        ),
+        publish_deny=(f"{subjects.SUBSCRIBERS_API}.>",),
+    )
+
+
+def subscriber_streams_admin(names: Iterable[str]) -> Grants:
+    """The subscriber administrator's rights: the subscribers' streams made, read and deleted by name, as
+    `rackctl subscriber add` and `remove` do (deploy/subscribers.py); never updated, so a stream's source
+    filter, a subscriber's scope, is fixed when it is made. Sourcing from EVENTS is the broker's, for the
+    account: this identity may not send on rackplane's API (`subjects.SUBSCRIBERS_API`) either."""
+    return Grants(
+        publish_deny=(f"{subjects.SUBSCRIBERS_API}.>",),
+        publish=(
+            JS_INFO,
+            *(
+                f"$JS.API.STREAM.{verb}.{subjects.subscriber_stream(n)}"
+                for n in names
+                for verb in ("INFO", "CREATE", "DELETE")
+            ),
         ),
     )
 
@@ -302,8 +345,9 @@ from (`subjects.REPLAYABLE`: every stream's but the DLQ's), so this identity can
 service says: it is for the operator on call, kept apart from the console's (docs/operations.md). It reads
 the message a letter names from its stream, by sequence, since a replay sends that, never the letter's
 body, which its filer wrote (rackctl/dlq.py)."""
-NEVER = ("$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")
-"""Denied to every identity: streams are created and updated by deploy, and never deleted or purged."""
+NEVER = tuple(f"$JS.API.STREAM.{verb}.{name}" for name in subjects.STREAMS for verb in ("DELETE", "PURGE"))
+"""Denied to every identity: rackplane's streams are created and updated by deploy, and never deleted or
+purged (a subscriber's own stream is deleted with the subscriber, by the stream administrator)."""
 
 
 def operator_grants(name: str) -> Grants:
@@ -315,8 +359,8 @@ def operator_grants(name: str) -> Grants:
         "auditor": AUDITOR,
         "console": console,
         "test": console | FAULT_INJECTOR | TEST_CONSUMERS,
-        "events-reader": EVENTS_READER,
         "dlq-admin": DLQ_ADMIN,
+        SUBSCRIBER_ADMIN: subscriber_streams_admin(()),
     }[name]
 
 
@@ -324,8 +368,10 @@ def operator_grants(name: str) -> Grants:
 class Identity:
     name: str
     kind: str
-    """sled, service, silo-operator or operator."""
+    """sled, service, silo-operator, subscriber or operator."""
     param: str = ""
+    """The sled's id, the service's name, the silo (a silo operator's; a subscriber's, or "" for the
+    fleet's), the operator's role."""
 
     @property
     def grants(self) -> Grants:
@@ -333,6 +379,7 @@ class Identity:
             "sled": lambda: sled_grants(self.param),
             "service": lambda: service_grants(self.param),
             "silo-operator": lambda: silo_operator_grants(self.param),
+            "subscriber": lambda: subscriber_grants(self.name, self.param or None),
             "operator": lambda: operator_grants(self.param),
         }[self.kind]()
         return g | Grants(subscribe=(f"{subjects.inbox_prefix(self.name)}.>",), publish_deny=NEVER)
@@ -340,6 +387,10 @@ class Identity:
     @property
     def inbox(self) -> str:
         return subjects.inbox_prefix(self.name)
+
+    @property
+    def account(self) -> str:
+        return SUBSCRIBERS if self.kind == "subscriber" or self.name == SUBSCRIBER_ADMIN else ACCOUNT
 
 
 def sled(sled_id: str) -> Identity:
@@ -354,12 +405,32 @@ def silo_operator(silo: str) -> Identity:
     return Identity(f"silo-operator-{silo}", "silo-operator", silo)
 
 
+RESERVED = re.compile(r"^(silo-operator-|sled-)")
+"""Name prefixes of the identities a rack makes itself: no subscriber takes one."""
+EVENTS_READER = "events-reader"
+"""The fleet subscriber every rack has (`make run` writes its context): examples/ follow it."""
+
+
+def subscriber(name: str, silo: str | None = None) -> Identity:
+    """A service following the events: the whole fleet's, or with `silo` only that silo's."""
+    if not re.match(NAME_PATTERN, name) or RESERVED.match(name) or name in SERVICES + OPERATORS:
+        raise ValueError(
+            f"a subscriber's name is lowercase letters, digits and '-' (not a service's, an operator's, a "
+            f"sled's or a silo operator's): not {name!r}"
+        )
+    if silo is not None and not re.match(NAME_PATTERN, silo):
+        raise ValueError(f"not a silo name: {silo!r}")
+    return Identity(name, "subscriber", silo or "")
+
+
 def standard(sleds: int = DEFAULT_SLEDS, silos: Iterable[str] = (), *, test: bool = False) -> list[Identity]:
-    """The identities of a rack: services, operators, `sleds` sleds, and the named silos' operators; the
-    test identity only with `test` (a credential that may inject faults exists only where it is used)."""
+    """The identities of a rack: services, operators, `sleds` sleds, the named silos' operators and the
+    events reader; the test identity only with `test` (a credential that may inject faults exists only where
+    it is used)."""
     return [
         *(Identity(s, "service", s) for s in SERVICES),
         *(Identity(o, "operator", o) for o in OPERATORS if test or o != TEST),
+        subscriber(EVENTS_READER),
         *(sled(f"sled-{i}") for i in range(sleds)),
         *(silo_operator(s) for s in silos),
     ]
@@ -403,8 +474,8 @@ class Store:
     def init(cls, dir: Path, identities: Iterable[Identity]) -> Store:
         """Make the folder (or complete it: existing seeds are kept) and write the server config."""
         store = cls.load(dir) if (dir / "identities.json").exists() else cls(dir)
-        for identity in identities:
-            store.identities.setdefault(identity.name, identity)
+        for identity in identities:  # what a rack is made of is as given (a release may change a kind)
+            store.identities[identity.name] = identity
         store.write()
         return store
 
@@ -446,12 +517,39 @@ class Store:
         seed = bytearray(self.seed_file(name).read_bytes().strip())
         return nkeys.from_seed(seed).public_key.decode()
 
+    def subscribers(self) -> list[Identity]:
+        return [i for i in self.identities.values() if i.kind == "subscriber"]
+
+    def grants(self, identity: Identity) -> Grants:
+        """An identity's grants in this rack: the subscriber administrator's name the subscribers' streams."""
+        if identity.name == SUBSCRIBER_ADMIN:
+            return identity.grants | subscriber_streams_admin(s.name for s in self.subscribers())
+        return identity.grants
+
     def config(self) -> str:
-        """The `accounts` block: one account with JetStream, every identity a user in it."""
-        users = "".join(_user_conf(i, self.public_key(i.name)) for i in self.identities.values())
+        """The `accounts` block: rackplane's account and the subscribers', each with JetStream and its
+        users. Rackplane's exports to the subscribers' only what sourcing EVENTS takes: creating a consumer
+        on EVENTS (a service no subscriber may call: `subscriber_grants`) and the subjects it delivers on."""
+
+        def users(account: str) -> str:
+            return "".join(
+                _user_conf(i.name, self.grants(i), self.public_key(i.name))
+                for i in self.identities.values()
+                if i.account == account
+            )
+
+        create = f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.>"
+        deliver = subjects.subscriber_delivery(">")
+        api = subjects.SUBSCRIBERS_API
         return (
             "# Written by deploy/identities.py from identities.json: do not edit (regenerate instead).\n"
-            f"accounts {{\n  {ACCOUNT} {{\n    jetstream: enabled\n    users: [\n{users}    ]\n  }}\n}}\n"
+            f"accounts {{\n  {ACCOUNT} {{\n    jetstream: enabled\n    users: [\n{users(ACCOUNT)}    ]\n"
+            f"    exports: [\n      {{service: {json.dumps(create)}, accounts: [{SUBSCRIBERS}]}}\n"
+            f"      {{stream: {json.dumps(deliver)}, accounts: [{SUBSCRIBERS}]}}\n    ]\n  }}\n"
+            f"  {SUBSCRIBERS} {{\n    jetstream: enabled\n    users: [\n{users(SUBSCRIBERS)}    ]\n"
+            f"    imports: [\n      {{service: {{account: {ACCOUNT}, subject: {json.dumps(create)}}}, "
+            f"to: {json.dumps(create.replace('$JS.API', api, 1))}}}\n"
+            f"      {{stream: {{account: {ACCOUNT}, subject: {json.dumps(deliver)}}}}}\n    ]\n  }}\n}}\n"
         )
 
 
@@ -465,15 +563,14 @@ def _subject_list(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(json.dumps(s) for s in items) + "]"
 
 
-def _user_conf(identity: Identity, public_key: str) -> str:
-    g = identity.grants
+def _user_conf(name: str, g: Grants, public_key: str) -> str:
     publish = f"allow: {_subject_list(g.publish)}" + (f", deny: {_subject_list(g.publish_deny)}")
     subscribe = f"allow: {_subject_list(g.subscribe)}" + (
         f", deny: {_subject_list(g.subscribe_deny)}" if g.subscribe_deny else ""
     )
     responses = ", allow_responses: true" if g.responses else ""
     return (
-        f"      # {identity.name}\n"
+        f"      # {name}\n"
         f"      {{nkey: {public_key}, permissions: {{publish: {{{publish}}}, "
         f"subscribe: {{{subscribe}}}{responses}}}}}\n"
     )
@@ -489,6 +586,8 @@ def matrix() -> str:
         *(Identity(s, "service", s) for s in SERVICES),
         sled("sled-7"),
         silo_operator("acme"),
+        subscriber("billing"),
+        subscriber("acme-dashboard", "acme"),
         *(Identity(o, "operator", o) for o in OPERATORS),
     ]
     out = []

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy import identities, streams, tls
+from deploy import identities, streams, subscribers, tls
 from rackctl import context as contexts
+from shared import subjects
 
 SERVICE_IDENTITY = {
     "sled_agent": "simulator",
@@ -85,6 +87,17 @@ class BrokerSecurity:
         return env
 
     def context(self, name: str, url: str) -> contexts.Context:
+        """A context for identity `name`; a subscriber's names its stream and its silo."""
+        identity = self.store.identities.get(name)
+        if identity is not None and identity.kind == "subscriber":
+            return contexts.Context(
+                url=url,
+                nkey=self.seed(name),
+                ca=self.ca_file,
+                identity=name,
+                stream=subjects.subscriber_stream(name),
+                silo=identity.param or None,
+            )
         return contexts.Context(url=url, nkey=self.seed(name), ca=self.ca_file, identity=name)
 
     def write_context(self, context_name: str, identity: str, url: str) -> Path:
@@ -96,5 +109,12 @@ class BrokerSecurity:
         self.server_conf()
         return seed
 
+    def rack(self, url: str, reload: Callable[[], None]) -> subscribers.Rack:
+        return subscribers.Rack(self.store, url, self.ca_file, reload)
+
     async def ensure_streams(self, url: str, window: float | None = None) -> None:
+        """Rackplane's streams, then those of the subscribers the folder names (the events reader's)."""
         await streams.ensure(url, self.seed("stream-admin"), self.ca_file, window=window)
+        rack = self.rack(url, lambda: None)
+        for s in self.store.subscribers():
+            await subscribers.add(rack, s.name, subscribers.scope(s))

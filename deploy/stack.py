@@ -149,6 +149,10 @@ class Nats:
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
+    @property
+    def pid_file(self) -> Path:
+        return self.dir / "nats.pid"
+
     def reload(self) -> None:
         """Read the config again (new or rotated identities), as `nats-server --signal reload` does."""
         if self.proc and self.proc.poll() is None:
@@ -158,11 +162,13 @@ class Nats:
 
     def _write_config(self) -> Path:
         """All settings in the config file (a reload compares the whole config with the running one): the
-        address, the store, the name, and an include of `conf` (the accounts and users, TLS)."""
+        address, the store, the name, the pid file (`rackctl subscriber` reloads the server through it), and
+        an include of `conf` (the accounts and users, TLS)."""
         path = self.dir / "server.conf"
         include = f"include {json.dumps(os.path.relpath(self.conf, self.dir))}\n" if self.conf else ""
         path.write_text(
             f"listen: 127.0.0.1:{self.port}\nserver_name: rackplane-{self.port}\n"
+            f"pid_file: {json.dumps(str(self.pid_file))}\n"
             f"jetstream {{\n  store_dir: {json.dumps(str(self.dir / 'jetstream'))}\n}}\n{include}"
         )
         return path
@@ -609,6 +615,7 @@ def main() -> None:
         if stack.security:
             print(f"  rackctl   context {context} ({'test' if faults else 'console'} identity)")
             print("            contexts dlq-admin (rackctl --context dlq-admin dlq replay) and events-reader")
+            print("            (a subscriber: rackctl --context events-reader events follow)")
             print(f"  Identities and credentials in {stack.security.store.dir}")
         print(
             "  Fault injection", "ON (RACKPLANE_FAULTS=1)" if faults else "off (make run FAULTS=1 enables it)"

@@ -51,6 +51,34 @@ def configs(window: float | None = None) -> list[api.StreamConfig]:
     ]
 
 
+def subscriber_config(name: str, silo: str | None) -> api.StreamConfig:
+    """A subscriber's own stream, in the subscribers' account: the broker sources into it, from EVENTS in
+    rackplane's account, the events of its scope (all, or `rp.evt.<silo>.>`), from the oldest EVENTS still
+    keeps; it keeps them as long as EVENTS does. Its sequences are its own; each message keeps its subject
+    and headers (`Nats-Msg-Id`, the dedupe key) and says where it came from (`Nats-Stream-Source`)."""
+    return api.StreamConfig(
+        name=subjects.subscriber_stream(name),
+        storage=api.StorageType.FILE,
+        retention=api.RetentionPolicy.LIMITS,
+        max_age=MAX_AGE_S,
+        max_consumers=MAX_CONSUMERS,
+        sources=[
+            api.StreamSource(
+                name=subjects.EVENTS_STREAM,
+                filter_subject=subjects.event_pattern(silo),
+                external=api.ExternalStream(
+                    api=subjects.SUBSCRIBERS_API, deliver=subjects.subscriber_delivery(name)
+                ),
+            )
+        ],
+    )
+
+
+async def ensure_subscriber_stream(js: JetStreamContext, name: str, silo: str | None) -> None:
+    """Make a subscriber's stream (as the subscriber administrator); one already made is left as it is."""
+    await js.add_stream(subscriber_config(name, silo))
+
+
 async def ensure_streams(js: JetStreamContext, window: float | None = None) -> None:
     for config in configs(window):
         try:

@@ -332,9 +332,11 @@ CONSUMERS = {
 
 
 def judged(c: Any) -> bool:
-    """A durable consumer, which must keep up, but the events reader's (a third party's, which reads at its
-    own pace); not an ephemeral one (an operator's `events follow`, an ordered reader)."""
-    return bool(c.config.durable_name) and c.name != subjects.EVENTS_READER
+    """A durable consumer of a service or a sled, which must keep up; not a follower's (an operator's
+    `events follow`, an ordered reader) nor one a release before subscribers made for a third party."""
+    return bool(c.config.durable_name) and (
+        c.name in CONSUMERS or c.name.startswith(subjects.SLED_DURABLE_PREFIX)
+    )
 
 
 SETTLE_GRACE = 5.0

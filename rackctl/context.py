@@ -1,11 +1,12 @@
 """Contexts: where rackctl finds the broker and its credential, so that no command needs flags for them.
 
 A context is a small JSON file, `{"url", "nkey", "ca", "identity"}`: the NATS URL, the identity's nkey
-seed file, the CA of the server's certificate (TLS only), and the identity's name (for its reply inbox).
-`make run` writes `default` (deploy/stack.py); `python -m deploy.identities add-silo-operator` makes a
-credential that a context of its own can name. rackctl picks, in order: `--context NAME`, then
-$RACKCTL_CONTEXT, then `default`; NAME may also be the path of a context file. Contexts live in
-$RACKCTL_CONTEXTS, else $RACKPLANE_HOME/contexts, else .rackplane/contexts of the checkout.
+seed file, the CA of the server's certificate (TLS only), and the identity's name (for its reply inbox);
+a subscriber's also names its stream and its silo (`{"stream", "silo"}`). `make run` writes `default`
+(deploy/stack.py); `rackctl subscriber add` writes one per subscriber; `python -m deploy.identities
+add-silo-operator` makes a credential that a context of its own can name. rackctl picks, in order:
+`--context NAME`, then $RACKCTL_CONTEXT, then `default`; NAME may also be the path of a context file.
+Contexts live in $RACKCTL_CONTEXTS, else $RACKPLANE_HOME/contexts, else .rackplane/contexts of the checkout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class Context:
     nkey: str | None = None
     ca: str | None = None
     identity: str | None = None
+    stream: str | None = None
+    """A subscriber's: its own stream of events (`EVENTS-<name>`), which `events follow` reads."""
+    silo: str | None = None
+    """A silo subscriber's silo: the only events it may follow."""
 
 
 def contexts_dir() -> Path:
@@ -63,8 +68,6 @@ def write(name: str, context: Context, dir: Path | None = None) -> Path:
 COMMANDERS = ("console", "test", "fleet-operator")
 """Identities that may run every operator command: a context of one of them is what a refused one is
 pointed to."""
-EVENTS_ONLY = ("events-reader",)
-"""Identities that may only read events (`make run` writes a context for each)."""
 
 
 def _name_of(path: Path) -> str:
@@ -94,6 +97,6 @@ def denied_hint(name: str | None) -> str | None:
             alt = other.stem
             break
     use = f"use --context {alt}" if alt else "use a context whose identity may (docs/security.md)"
-    if current.identity in EVENTS_ONLY:
+    if current.stream:  # a subscriber's
         return f"this context ({_name_of(path)}) may only read events: {use} for other commands"
     return f"this context ({_name_of(path)}, identity {current.identity}) may not do this: {use}"

@@ -174,7 +174,7 @@ def _sled_of(filed_on: str) -> str | None:
     tokens = filed_on.split(".")
     if len(tokens) != 4 or tokens[:3] != ["rp", "dlq", "sled-agent"]:
         return None
-    sled = tokens[3].removeprefix("sled-agent-")
+    sled = tokens[3].removeprefix(subjects.SLED_DURABLE_PREFIX)
     return sled if sled != tokens[3] and identities.SLED_ID.match(sled) else None
 
 

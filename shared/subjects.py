@@ -92,8 +92,28 @@ def event_pattern(silo: str | None) -> str:
     return f"rp.evt.{silo}.>" if silo else "rp.evt.>"
 
 
-EVENTS_READER = "events-reader"
-"""The durable consumer on EVENTS of the `events-reader` identity: a third party's (examples/)."""
+SUBSCRIBERS_API = "$JS.rackplane.API"
+"""Where the subscribers' account reaches rackplane's JetStream API: only to source EVENTS into the
+subscribers' streams (deploy/identities.py imports and exports it; no user of that account may send there)."""
+
+
+def subscriber_delivery(name: str) -> str:
+    """Where the broker delivers, across accounts, the events it sources into a subscriber's stream."""
+    return f"subscribers.deliver.{name}"
+
+
+def subscriber_stream(name: str) -> str:
+    """A subscriber's own stream, `EVENTS-<name>`: the broker sources into it, from EVENTS, the events the
+    subscriber may see (deploy/subscribers.py), and every consumer on it is the subscriber's."""
+    return f"{EVENTS_STREAM}-{name}"
+
+
+SLED_DURABLE_PREFIX = "sled-agent-"
+
+
+def sled_durable(sled_id: str) -> str:
+    """The durable consumer through which one sled reads its orders on SLED_CMD."""
+    return f"{SLED_DURABLE_PREFIX}{sled_id}"
 
 
 def dead_letter(service: str, consumer: str) -> str:

@@ -176,8 +176,8 @@ async def _filter_of(stack: Stack, durable: str) -> str | None:
 async def test_the_example_consumer_prints_a_start_and_a_stop(
     stack: Stack, client: Client, tmp_path: Path
 ) -> None:
-    """examples/events_consumer, as a third party runs it: its own identity (events-reader), its durable,
-    and the published schemas; it prints the events of a start and a stop."""
+    """examples/events_consumer, as a third party runs it: a subscriber's identity (events-reader), its
+    durable on its own stream, and the published schemas; it prints the events of a start and a stop."""
     assert stack.security is not None and stack.nats_url
     context = stack.security.write_context("events-reader", "events-reader", stack.nats_url)
     silo = unique("silo")
@@ -194,7 +194,13 @@ async def test_the_example_consumer_prints_a_start_and_a_stop(
         lines = await _lines_until(proc.stdout, lambda ls: _saw_running_and_stopped(instance, ls))
     finally:
         err = await _stop(proc)
-        await client.nc.jetstream().delete_consumer(subjects.EVENTS_STREAM, identities.EVENTS_READER_DURABLE)
+        reader = await connect_as(stack, identities.EVENTS_READER)  # a subscriber deletes its own consumers
+        try:
+            await reader.jetstream().delete_consumer(
+                subjects.subscriber_stream(identities.EVENTS_READER), identities.EVENTS_READER
+            )
+        finally:
+            await reader.close()
     assert _saw_running_and_stopped(instance, lines), (lines, err)
     assert "refused" not in err, err  # every event valid against its published schema
     assert any(f"rp.evt.{silo}.instance.changed.v2  {instance} running (generation" in x for x in lines)

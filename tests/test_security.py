@@ -212,8 +212,10 @@ def test_the_grants_that_matter() -> None:
     assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.x.rp.evt.other.>") == followers
     assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.accounting-silos.rp.evt.acme.>") == nobody
     assert publishers("$JS.API.CONSUMER.MSG.NEXT.EVENTS.accounting-silos") == {"accounting"}
-    assert publishers("$JS.API.CONSUMER.MSG.NEXT.EVENTS.events-reader") == {"events-reader"}
-    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.events-reader.rp.evt.>") == {"events-reader"}
+    # a subscriber: any consumer on its own stream (in the subscribers' account), held to its scope
+    assert publishers("$JS.API.CONSUMER.MSG.NEXT.EVENTS-events-reader.x") == {"events-reader"}
+    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS-events-reader.x.rp.evt.>") == {"events-reader"}
+    assert publishers("$JS.API.CONSUMER.CREATE.EVENTS.x.rp.evt.>") == followers
     for order in (
         "rp.cmd._fleet.vmm.lost",
         "rp.cmd._fleet.vmm.stuck",
@@ -347,34 +349,52 @@ async def test_stream_admin_cannot_delete_a_consumer_or_read_orders(
             await nc.close()
 
 
-async def test_a_follower_cannot_create_a_push_consumer_delivering_elsewhere(
+async def test_a_subscribers_push_consumer_delivers_nowhere_in_rackplane(
     bare: tuple[Nats, BrokerSecurity],
 ) -> None:
-    """Attack 4's last part, with the events reader's own credential: its durable, once made (a pull
-    consumer, as examples/events_consumer makes it), cannot be made to push (the server refuses to turn a
-    pull consumer into a push one), and no other name or create form is granted."""
+    """Attack 4's last part, with a subscriber's own credential: on its own stream it may make a push
+    consumer that delivers anywhere, but only within the subscribers' account, so a command subject of
+    rackplane's hears nothing; and it may not touch EVENTS itself, nor the API the account sources through."""
     server, security = bare
-    reader = await _as(server, security, "events-reader")
+    im = await _as(server, security, "instance-manager")
+    reader = await _as(server, security, identities.EVENTS_READER)
+    heard: list[str] = []
+
+    async def on_command(msg: Any) -> None:
+        heard.append(msg.subject)
+
     try:
+        await im.subscribe(subjects.command_pattern("instance"), cb=on_command)
+        await im.flush()
+        await im.jetstream().publish(subjects.event("acme", "silo", "created"), b"{}")
+        own = subjects.subscriber_stream(identities.EVENTS_READER)
         js = reader.jetstream(timeout=3)
-        durable, ev = identities.EVENTS_READER_DURABLE, subjects.EVENTS_STREAM
-        await js.pull_subscribe("rp.evt.>", durable=durable, stream=ev)
+
+        async def sourced() -> bool:
+            return (await js.stream_info(own)).state.messages > 0
+
+        await eventually(sourced, timeout=10)
         elsewhere = subjects.command("acme", "instance", "delete")
-        refused = await _api(
-            reader,
-            f"$JS.API.CONSUMER.CREATE.{ev}.{durable}.rp.evt.>",
-            _push(ev, durable, "rp.evt.>", elsewhere),
+        made = await _api(
+            reader, f"$JS.API.CONSUMER.CREATE.{own}.p.rp.evt.>", _push(own, "p", "rp.evt.>", elsewhere)
         )
-        assert isinstance(refused, dict) and "push" in refused["error"]["description"], refused
-        for subject, body in (
-            (f"$JS.API.CONSUMER.CREATE.{ev}.mine.rp.evt.>", _push(ev, "mine", "rp.evt.>", elsewhere)),
-            (f"$JS.API.CONSUMER.DURABLE.CREATE.{ev}.{durable}", _push(ev, durable, "rp.evt.>", elsewhere)),
-            (f"$JS.API.CONSUMER.CREATE.{ev}", {"stream_name": ev, "config": {"deliver_subject": elsewhere}}),
+        assert isinstance(made, dict) and "error" not in made, made
+        await asyncio.sleep(1.0)
+        assert heard == []  # delivered, if at all, in the subscribers' account: no service heard it
+        ev = subjects.EVENTS_STREAM
+        for subject in (
+            f"$JS.API.CONSUMER.CREATE.{ev}.mine.rp.evt.>",
+            f"$JS.API.CONSUMER.MSG.NEXT.{ev}.accounting-silos",
+            f"{subjects.SUBSCRIBERS_API}.CONSUMER.CREATE.{ev}.mine.rp.evt.>",
+            f"$JS.API.STREAM.UPDATE.{own}",
+            f"$JS.API.STREAM.DELETE.{own}",
         ):
-            assert await _api(reader, subject, body) == "forbidden", subject
-        assert (await js.consumer_info(ev, durable)).config.deliver_subject is None
+            assert await _api(reader, subject, _push(ev, "mine", "rp.evt.>", elsewhere)) == "forbidden", (
+                subject
+            )
     finally:
-        await reader.close()
+        for nc in (im, reader):
+            await nc.close()
 
 
 async def test_the_test_identity_is_refused_by_a_stack_without_faults(

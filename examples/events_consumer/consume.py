@@ -1,12 +1,14 @@
-"""Follow rackplane's events as a third party would: a durable pull consumer on `rp.evt.>` that checks
-every message against the published JSON Schemas (docs/schemas/), not against rackplane's code.
+"""Follow rackplane's events as a third party would: a durable pull consumer that checks every message
+against the published JSON Schemas (docs/schemas/), not against rackplane's code.
 
     python consume.py [--context FILE] [--schemas DIR] [--count N]
 
-It needs only nats-py and jsonschema. It connects with the `events-reader` identity (the context file that
-`make run` writes: `{"url", "nkey", "ca", "identity"}`), which may create and read this one durable
-consumer and nothing else; it reads its replies on its private inbox `_INBOX_<identity>`. A restart
-resumes where the durable left off. Each valid event is printed (in the newest version of its schema that
+It needs only nats-py and jsonschema. It connects as a subscriber (the context file that `make run` writes
+for `events-reader`, or `rackctl subscriber add` for another: `{"url", "nkey", "ca", "identity", "stream",
+"silo"}`), which may use any consumer of its own stream (`EVENTS-<identity>`) filtered within its scope
+(`rp.evt.>`, or `rp.evt.<silo>.>` for a silo's subscriber) and nothing else; it reads its replies on its
+private inbox `_INBOX_<identity>`. Its durable is named after the identity; a restart resumes where it
+left off. Each valid event is printed (in the newest version of its schema that
 it has: an older copy of the same change is acknowledged unread), one line each, then acknowledged; one
 that fails its schema, or whose schema and version have no file here, is reported on stderr and
 terminated (kept by the broker, never redelivered).
@@ -30,7 +32,6 @@ from nats.js import api
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-STREAM, DURABLE, SUBJECT = "EVENTS", "events-reader", "rp.evt.>"
 
 
 def load_schemas(folder: Path) -> dict[tuple[str, int], Any]:
@@ -107,15 +108,18 @@ async def main() -> None:
         **options,
     )
     js = nc.jetstream()
+    stream, durable = context.get("stream") or "EVENTS", context["identity"]
+    subject = f"rp.evt.{context['silo']}.>" if context.get("silo") else "rp.evt.>"
     config = api.ConsumerConfig(
-        durable_name=DURABLE,
-        filter_subject=SUBJECT,
+        name=durable,  # the create request then names the filter, as a subscriber's grant asks
+        durable_name=durable,
+        filter_subject=subject,
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.NEW,  # when first created; afterwards it resumes where it was
         ack_wait=30,
     )
-    sub = await js.pull_subscribe(SUBJECT, durable=DURABLE, stream=STREAM, config=config)
-    print(f"following {SUBJECT} as {context['identity']} (durable {DURABLE})", file=sys.stderr, flush=True)
+    sub = await js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+    print(f"following {subject} as {durable} (durable {durable} on {stream})", file=sys.stderr, flush=True)
     seen = 0
     try:
         while a.count is None or seen < a.count:

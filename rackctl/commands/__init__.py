@@ -15,6 +15,7 @@ from rackctl.commands import (
     usage,
     stats,
     events,
+    subscriber,
     dlq,
     chaos,
     check,
@@ -37,6 +38,7 @@ __all__ = [
     "sim",
     "sled",
     "stats",
+    "subscriber",
     "usage",
     "version",
 ]

@@ -4,7 +4,9 @@ It reads through short-lived consumers of its own (`follow`): named, with the fi
 so that the broker holds a silo's operator to `rp.evt.<silo>.>` (deploy/identities.py, `follow_events`),
 and without acks, since it only watches. If the consumer is lost (the broker restarted, the connection was
 away longer than its inactivity limit) a new one starts from the event after the last one shown, so
-nothing is skipped and nothing shown twice.
+nothing is skipped and nothing shown twice. With a subscriber's context it reads the subscriber's own
+stream (`EVENTS-<name>`), within its scope; `--durable` then reads through the subscriber's durable
+consumer of its own name, acking each event once shown, so the next run resumes after it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
+from rackctl import context as contexts
 from rackctl.commands.args import ago, count, silo_path
-from rackctl.commands.base import Ctx, command, group
+from rackctl.commands.base import Ctx, UsageError, command, group
 from shared import bus, subjects
 from shared.messages import InstanceList
 
@@ -40,33 +43,77 @@ WIDTHS = (24, 12, 20, 36, 10, 0)
 group("events", "the durable events of the control plane (stream EVENTS)")
 
 
+StartAt = datetime | int | None
+"""Where a reader starts: a time, a stream sequence, or (None) the next event."""
+
+
+def start_point(text: str) -> datetime | int:
+    """`--from`: a stream sequence (a whole number) or a time (RFC 3339, `2026-12-06T10:00:00Z`)."""
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid start {text!r}: expected a stream sequence (1, 2, ...) or a time such as "
+            "2026-12-06T10:00:00Z"
+        ) from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _start(config: api.ConsumerConfig, at: StartAt) -> None:
+    if isinstance(at, int):
+        config.deliver_policy, config.opt_start_seq = api.DeliverPolicy.BY_START_SEQUENCE, at
+    elif at is not None:
+        config.deliver_policy, config.opt_start_time = api.DeliverPolicy.BY_START_TIME, at
+    else:
+        config.deliver_policy = api.DeliverPolicy.NEW
+
+
+async def _consumer(
+    js: JetStreamContext, stream: str, filter_subject: str, at: StartAt, durable: str | None
+) -> JetStreamContext.PullSubscription:
+    """A reader's consumer: a durable of that name, bound if it exists (it resumes where it acked), else
+    made starting at `at`; or a fresh one that only watches, and goes away once nobody pulls."""
+    if durable is not None:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await bus.unless_denied(
+                js._nc, f"$JS.API.CONSUMER.INFO.{stream}.{durable}", js.consumer_info(stream, durable)
+            )
+            return await js.pull_subscribe_bind(consumer=durable, stream=stream)
+    name = durable or f"follow-{uuid.uuid4().hex[:16]}"
+    config = api.ConsumerConfig(name=name, filter_subject=filter_subject)
+    if durable is None:
+        config.ack_policy, config.inactive_threshold = api.AckPolicy.NONE, INACTIVE
+        config.mem_storage, config.num_replicas = True, 1
+    else:
+        config.durable_name, config.ack_policy = durable, api.AckPolicy.EXPLICIT
+    _start(config, at)
+    create = f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{filter_subject}"
+    await bus.unless_denied(js._nc, create, js.add_consumer(stream, config))
+    return await js.pull_subscribe_bind(consumer=name, stream=stream)
+
+
 async def follow(
-    js: JetStreamContext, filter_subject: str, *, since: datetime | None = None
+    js: JetStreamContext,
+    filter_subject: str,
+    *,
+    since: StartAt = None,
+    stream: str = subjects.EVENTS_STREAM,
+    durable: str | None = None,
+    batch: int = 64,
 ) -> AsyncIterator[Msg]:
-    """Every event under `filter_subject` from now (or from `since`), in stream order, for as long as the
-    caller iterates. A consumer that goes away is replaced, from the sequence after the last event given."""
+    """Every event under `filter_subject` from now (or from `since`: a time or a sequence), in stream
+    order, for as long as the caller iterates; through the durable `durable` if given (the caller acks).
+    A consumer that goes away is replaced, from the sequence after the last event given. `batch` bounds
+    what one pull holds: a durable's events pulled but not acked come again only after its ack wait."""
     next_seq: int | None = None
     first = True
     while True:
-        name = f"follow-{uuid.uuid4().hex[:16]}"
-        config = api.ConsumerConfig(
-            name=name,
-            filter_subject=filter_subject,
-            ack_policy=api.AckPolicy.NONE,
-            inactive_threshold=INACTIVE,
-            mem_storage=True,
-            num_replicas=1,
-        )
-        if next_seq is not None:
-            config.deliver_policy, config.opt_start_seq = api.DeliverPolicy.BY_START_SEQUENCE, next_seq
-        elif since is not None:
-            config.deliver_policy, config.opt_start_time = api.DeliverPolicy.BY_START_TIME, since
-        else:
-            config.deliver_policy = api.DeliverPolicy.NEW
-        create = f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.{name}.{filter_subject}"
         try:
-            await bus.unless_denied(js._nc, create, js.add_consumer(subjects.EVENTS_STREAM, config))
-            sub = await js.pull_subscribe_bind(consumer=name, stream=subjects.EVENTS_STREAM)
+            sub = await _consumer(
+                js, stream, filter_subject, next_seq if next_seq is not None else since, durable
+            )
         except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError):
             if first:
                 raise
@@ -75,7 +122,7 @@ async def follow(
         first = False
         while True:
             try:
-                msgs = await sub.fetch(64, timeout=1.0)
+                msgs = await sub.fetch(batch, timeout=1.0)
             except TimeoutError:  # no event yet (nats-py raises a subclass of it, or a bare one)
                 continue
             except (nats.errors.Error, nats.js.errors.Error):
@@ -189,8 +236,22 @@ def as_json(msg: Msg) -> dict[str, Any]:
 
 def _follow_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--silo", type=silo_path, metavar="SILO", help="only this silo's events")
-    p.add_argument(
+    start = p.add_mutually_exclusive_group()
+    start.add_argument(
         "--since", type=ago, metavar="AGO", help="start this long ago (30s, 10m, 2h, 7d): default now"
+    )
+    start.add_argument(
+        "--from",
+        dest="start",
+        type=start_point,
+        metavar="TIME|SEQ",
+        help="start at this time (2026-12-06T10:00:00Z) or stream sequence: default now",
+    )
+    p.add_argument(
+        "--durable",
+        action="store_true",
+        help="a subscriber's context: read through its durable of its own name, acking each event shown; "
+        "the next run resumes after the last one",
     )
     p.add_argument("--count", type=count, metavar="N", help="stop after N events (default: until Ctrl-C)")
     p.add_argument(
@@ -206,18 +267,27 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
         "rackctl events follow",
         "rackctl events follow --silo acme --since 10m  # acme's, from ten minutes ago",
         "rackctl events follow --count 5 --json",
+        "rackctl --context billing events follow --durable --from 1  # a subscriber's, from its first event",
     ),
 )
 async def events_follow(ctx: Ctx) -> None:
     a = ctx.args
+    current = contexts.load(a.context)
+    stream = (current.stream if current else None) or subjects.EVENTS_STREAM
+    if a.durable and not (current and current.stream and current.identity):
+        raise UsageError("--durable reads a subscriber's own durable: use a subscriber's context")
+    durable = current.identity if a.durable and current else None
     js = (await ctx.client()).nc.jetstream()
-    since = datetime.now(UTC) - timedelta(seconds=a.since) if a.since else None
+    since: StartAt = datetime.now(UTC) - timedelta(seconds=a.since) if a.since else a.start
+    silo = a.silo or (current.silo if current else None)
     if not a.json:
         print(line(HEADERS), flush=True)
     shown = 0
     recent: deque[tuple[Any, ...]] = deque(maxlen=256)
     names = Names(ctx)
-    async for msg in follow(js, subjects.event_pattern(a.silo), since=since):
+    batch = min(64, a.count) if a.count else 64
+    pattern = subjects.event_pattern(silo)
+    async for msg in follow(js, pattern, since=since, stream=stream, durable=durable, batch=batch):
         if a.json:
             text = json.dumps(as_json(msg), sort_keys=True)
         else:
@@ -229,6 +299,8 @@ async def events_follow(ctx: Ctx) -> None:
             recent.append(cells[1:])
             text = line(cells)
         print(text, flush=True)
+        if durable:
+            await msg.ack()
         shown += 1
         if a.count is not None and shown >= a.count:
             return

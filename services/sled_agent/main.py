@@ -140,7 +140,7 @@ async def command_loop(sled: Sled, idle_wait: float) -> None:
         sled.js,
         service="sled-agent",
         stream=subjects.SLED_CMD_STREAM,
-        durable=f"sled-agent-{sled.sled_id}",
+        durable=subjects.sled_durable(sled.sled_id),
         filter_subject=subjects.sled_command(sled.sled_id, ">"),
         handler=handle,
         expect=(VmmEnsure, VmmStop, VmmMigrate, VmmDestroy),
