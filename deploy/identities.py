@@ -347,7 +347,7 @@ the message a letter names from its stream, by sequence, since a replay sends th
 body, which its filer wrote (rackctl/dlq.py)."""
 NEVER = tuple(f"$JS.API.STREAM.{verb}.{name}" for name in subjects.STREAMS for verb in ("DELETE", "PURGE"))
 """Denied to every identity: rackplane's streams are created and updated by deploy, and never deleted or
-purged (a subscriber's own stream is deleted with the subscriber, by the stream administrator)."""
+purged (a subscriber's own stream is deleted with the subscriber, by the subscriber administrator)."""
 
 
 def operator_grants(name: str) -> Grants:
