@@ -2,9 +2,11 @@
 
 docs/subjects.md explains the contract to people; this module states it for programs. `make schemas`
 (`python -m shared.contract`) writes from it, and from the pydantic models, one JSON Schema per message
-schema and version (docs/schemas/) and an AsyncAPI 3.0 document (docs/asyncapi.yaml), which a consumer in
-any language can generate code from; tests/test_contract.py fails when the committed files drift from the
-code.
+schema and version (docs/schemas/), the schema of every request's reply (docs/schemas/reply.json), and an
+AsyncAPI 3.0 document (docs/asyncapi.yaml), which a consumer in any language can generate code from:
+both halves of every request/reply, the dead-letter channel with its headers, and the security scheme.
+tests/test_contract.py fails when the committed files drift from the code, and
+tests/test_asyncapi_parser.py when the official AsyncAPI parser finds an error or a warning in them.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ from typing import Any, Literal
 import yaml
 
 from shared import subjects
-from shared.messages import Envelope, Model, registry
+from shared.bus import DLQ_TRUNCATED, MSG_ID
+from shared.messages import Envelope, Model, Reply, registry
 from shared.messages.base import read_body
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "docs" / "schemas"
 ASYNCAPI = ROOT / "docs" / "asyncapi.yaml"
+REPLY_FILE = "reply.json"
+"""The schema of every request's answer (`shared.messages.Reply`): no envelope, so no `.v<n>` in its name
+(readers of docs/schemas/ pick messages' schemas by `<schema>.v<version>.json`)."""
+SCHEMA_FORMAT = "application/schema+json;version=2020-12"
+"""What every payload schema is written in (AsyncAPI's default would be its own, a draft-07 superset)."""
 
 OPERATORS = ("rackctl",)
 Kind = Literal["request", "stream"]
@@ -54,7 +62,43 @@ PARAMETERS = {
     "project": "a project's name within the silo",
     "instance": "an instance's id (it decides the partition the delta is kept in)",
     "service": "a service's name: " + ", ".join(subjects.SERVICES),
+    "consumer": (
+        "the durable consumer that gave up, or the one name the durables of a partitioned stream file under "
+        "(`accounting-deltas`)"
+    ),
 }
+
+DLQ_HEADERS: dict[str, tuple[str, bool]] = {
+    MSG_ID: ("`dlq:<uuid>`, new for every filing (no one can file a letter first under its id)", True),
+    "Rp-Dlq-Reason": ("why, at most 1000 characters: `<code>: <reason>`, a refusal, or a failure", True),
+    "Rp-Dlq-Subject": ("the subject the message was stored under", True),
+    "Rp-Dlq-Stream": ("the stream it was stored in", True),
+    "Rp-Dlq-Sequence": ("its sequence in that stream", True),
+    "Rp-Dlq-Consumer": ("the durable consumer that gave up on it", True),
+    DLQ_TRUNCATED: (
+        "only when the body did not fit beside these headers: the whole body's size in bytes (the letter "
+        "keeps its beginning: it can be read, not replayed)",
+        False,
+    ),
+}
+"""The headers `bus.Consumer._dead_letter` writes on a letter, with whether every letter has it
+(tests/test_contract.py checks them against the code and against a real letter)."""
+
+SECURITY = {
+    "nkey": {
+        "type": "asymmetricEncryption",
+        "description": (
+            "Every sled, service, operator and subscriber is a NATS user of its own, authenticated by an "
+            "nkey: an Ed25519 key pair whose public key the broker knows; the client signs the nonce the "
+            "server sends with its seed (the private key, which never leaves it). The broker then allows it "
+            "only its own subjects (docs/security.md); it reads replies only on its own inbox, "
+            "`_INBOX_<identity>.>` (nats.py `inbox_prefix`, nats.js `inboxPrefix`). A rackctl context "
+            "(`.rackplane/contexts/<name>.json`) names the seed file, the URL and the CA."
+        ),
+    },
+}
+"""How a client proves who it is. NATS's nkeys are a signature with a private key, not a password, a
+certificate or a token: AsyncAPI's `asymmetricEncryption` is the scheme that says so."""
 
 EVENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "rp.evt.silo.created": (("instance-manager",), ("accounting",)),
@@ -64,6 +108,8 @@ EVENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "rp.evt.usage.changed": (("accounting",), ()),
     "rp.evt.pool.changed": (("instance-manager",), ()),
     "rp.evt.sled.changed": (("instance-manager",), ("recovery",)),
+    "rp.evt.silo.deleted": (("instance-manager",), ()),
+    "rp.evt.project.deleted": (("instance-manager",), ()),
 }
 """Each event: who publishes it, and which of rackplane's services consume it (anyone else may follow)."""
 
@@ -78,6 +124,7 @@ ORDERS = (
 FLEET_ONLY = (
     *ORDERS,
     "rp.cmd.silo.create",
+    "rp.cmd.silo.delete",
     "rp.cmd.silo.list",
     "rp.cmd.silo.limits",
     "rp.cmd.sled.list",
@@ -303,8 +350,109 @@ def example(schema: str, version: int, model: type[Model]) -> dict[str, Any]:
 # --- AsyncAPI -----------------------------------------------------------------------------------------
 
 
+def reply_schema() -> dict[str, Any]:
+    """The answer to every request (`bus.serve` sends a `Reply`), as a standalone JSON Schema 2020-12."""
+    body = Reply.model_json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "urn:rackplane:schema:reply",
+        **body,
+        "title": "reply",
+        "examples": [
+            Reply(ok=True, data={"name": "acme"}).model_dump(mode="json"),
+            Reply(ok=False, error={"code": "not_found", "message": "no silo acme"}).model_dump(mode="json"),
+        ],
+    }
+
+
 def _name(address: str) -> str:
     return address.replace("{", "").replace("}", "").replace(".", "-")
+
+
+def _payload(file: str) -> dict[str, Any]:
+    return {"schemaFormat": SCHEMA_FORMAT, "schema": {"$ref": f"schemas/{file}"}}
+
+
+REPLY_CHANNEL = "reply-inbox"
+DLQ_CHANNEL = _name(subjects.dead_letter("{service}", "{consumer}"))
+
+
+def _replies() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The channel every answer travels on, and its message. The address is the request's reply subject,
+    which NATS carries beside the message (not in a header or the payload, so no runtime expression can
+    name it): AsyncAPI's null address, a channel known only when the request is made."""
+    channel = {
+        "address": None,
+        "title": "a requester's inbox",
+        "description": (
+            "The reply subject the request named: the requester's inbox, `_INBOX_<identity>.<...>` for a "
+            "rackplane identity. Every answer is a `reply`: `ok` with the command's `data`, or an `error` "
+            "with a code and a message; a request that cannot be served is answered the same way, never "
+            "with silence (unless no one serves its subject: NATS then answers 'no responders')."
+        ),
+        "messages": {"reply": {"$ref": "#/components/messages/reply"}},
+    }
+    message = {
+        "name": "reply",
+        "title": "reply",
+        "summary": (Reply.__doc__ or "").strip().split("\n")[0],
+        "contentType": "application/json",
+        "payload": _payload(REPLY_FILE),
+    }
+    return channel, message
+
+
+def _dead_letters() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The DLQ channel, its message (the stored message as it was, with the filer's headers), and its
+    operations."""
+    address = subjects.dead_letter("{service}", "{consumer}")
+    senders = subjects.SERVICES  # each service's durable consumers file their own
+    channel = {
+        "address": address,
+        "description": (
+            f"a dead letter (stream {subjects.DLQ_STREAM}): a message a durable consumer can never handle, "
+            "parked with the reason; nothing consumes it but operators (`rackctl dlq`)"
+        ),
+        "messages": {"dead-letter": {"$ref": "#/components/messages/dead-letter"}},
+        "parameters": {p: {"description": PARAMETERS[p]} for p in ("service", "consumer")},
+        "bindings": {"nats": {"bindingVersion": "0.1.0"}},
+    }
+    message = {
+        "name": "dead-letter",
+        "title": "dead letter",
+        "summary": "a message its consumer gave up on, byte for byte as its stream stored it",
+        "description": (
+            "The body is the original message as it was stored (usually an envelope, but a message that did "
+            "not decode is kept as it came), cut short when `Rp-Dlq-Truncated` says so; the headers say "
+            "where it was and why it was given up on. Only the DLQ subject it was filed on is the broker's "
+            "word: the headers are the filer's claims (`rackctl dlq` checks them)."
+        ),
+        "contentType": "application/octet-stream",
+        "headers": {
+            "type": "object",
+            "properties": {h: {"type": "string", "description": d} for h, (d, _) in DLQ_HEADERS.items()},
+            "required": [h for h, (_, always) in DLQ_HEADERS.items() if always],
+        },
+        "payload": {"description": "the original message's bytes"},
+    }
+    listed = [{"$ref": f"#/channels/{DLQ_CHANNEL}/messages/dead-letter"}]
+    ops = {
+        f"{DLQ_CHANNEL}.send": {
+            "action": "send",
+            "channel": {"$ref": f"#/channels/{DLQ_CHANNEL}"},
+            "messages": listed,
+            "summary": f"filed by {', '.join(senders)} (each service's durable consumers)",
+            "x-rackplane-senders": list(senders),
+        },
+        f"{DLQ_CHANNEL}.receive": {
+            "action": "receive",
+            "channel": {"$ref": f"#/channels/{DLQ_CHANNEL}"},
+            "messages": listed,
+            "summary": "read by operators (`rackctl dlq list`, `show`, `replay`, `purge`)",
+            "x-rackplane-receivers": list(OPERATORS),
+        },
+    }
+    return channel, message, ops
 
 
 def asyncapi() -> dict[str, Any]:
@@ -320,12 +468,20 @@ def asyncapi() -> dict[str, Any]:
             "headers": {
                 "type": "object",
                 "properties": {
-                    "Nats-Msg-Id": {"type": "string", "description": "dedupe id, derived from meaning"},
+                    MSG_ID: {"type": "string", "description": "dedupe id, derived from meaning"},
                     "traceparent": {"type": "string", "description": "W3C trace context"},
                 },
             },
-            "payload": {"$ref": f"schemas/{schema_file(schema, version)}"},
+            "payload": _payload(schema_file(schema, version)),
         }
+    reply_channel, messages["reply"] = _replies()
+    replies = {
+        "reply": {
+            "channel": {"$ref": f"#/channels/{REPLY_CHANNEL}"},
+            "messages": [{"$ref": f"#/channels/{REPLY_CHANNEL}/messages/reply"}],
+        }
+    }
+    reply = {"$ref": "#/components/replies/reply"}
     for ch in channels():
         name = _name(ch.address)
         refs = {
@@ -348,16 +504,22 @@ def asyncapi() -> dict[str, Any]:
             "channel": {"$ref": f"#/channels/{name}"},
             "messages": listed,
             "summary": f"sent by {', '.join(ch.senders)}"
-            + (" (request/reply)" if ch.kind == "request" else ""),
+            + (" (request/reply: the answer comes on the sender's inbox)" if ch.kind == "request" else ""),
+            **({"reply": reply} if ch.kind == "request" else {}),
             "x-rackplane-senders": list(ch.senders),
         }
         ops[f"{name}.receive"] = {
             "action": "receive",
             "channel": {"$ref": f"#/channels/{name}"},
             "messages": listed,
-            "summary": f"received by {', '.join(ch.receivers) or 'anyone who follows it'}",
+            "summary": f"received by {', '.join(ch.receivers) or 'anyone who follows it'}"
+            + (" (it answers on the sender's inbox)" if ch.kind == "request" else ""),
+            **({"reply": reply} if ch.kind == "request" else {}),
             "x-rackplane-receivers": list(ch.receivers),
         }
+    chans[DLQ_CHANNEL], messages["dead-letter"], dlq_ops = _dead_letters()
+    ops.update(dlq_ops)
+    chans[REPLY_CHANNEL] = reply_channel
     return {
         "asyncapi": "3.0.0",
         "info": {
@@ -366,19 +528,44 @@ def asyncapi() -> dict[str, Any]:
             "description": (
                 "The subjects of rackplane's control plane on NATS: operator commands and recovery's "
                 "orders (request/reply), sled commands and reports, provisioning deltas and events "
-                "(JetStream). Every message is an envelope {schema, version, id, source, time, data}; "
-                "docs/subjects.md explains each."
+                "(JetStream), and dead letters. Every message is an envelope {schema, version, id, source, "
+                "time, data}, and every answer to a request a reply {ok, data, error}; every payload schema "
+                "is JSON Schema 2020-12 (docs/schemas/). docs/subjects.md explains each."
             ),
         },
         "defaultContentType": "application/json",
-        "servers": {"local": {"host": "127.0.0.1:4222", "protocol": "nats"}},
+        "servers": {
+            "local": {
+                "host": "127.0.0.1:4222",
+                "protocol": "nats",
+                "description": "`make run`: the broker, plain text (`nats://`)",
+                "security": [{"$ref": "#/components/securitySchemes/nkey"}],
+            },
+            "local-tls": {
+                "host": "127.0.0.1:4222",
+                "protocol": "nats",
+                "description": (
+                    "`make run TLS=1`: the same broker behind TLS only (`tls://` URLs); verify its "
+                    "certificate against the CA in the context (`.rackplane/tls/ca.pem`)"
+                ),
+                "security": [{"$ref": "#/components/securitySchemes/nkey"}],
+            },
+        },
         "channels": chans,
         "operations": ops,
-        "components": {"messages": messages},
+        "components": {"messages": messages, "replies": replies, "securitySchemes": SECURITY},
     }
 
 
 # --- writing and checking the files ---------------------------------------------------------------------
+
+
+class _Dumper(yaml.SafeDumper):
+    """YAML without anchors and aliases (`&id001`, `*id001`), which some readers of AsyncAPI do not
+    follow: a list two operations share is written out twice."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def rendered() -> dict[Path, str]:
@@ -387,8 +574,9 @@ def rendered() -> dict[Path, str]:
         SCHEMAS / schema_file(s, v): json.dumps(json_schema(s, v, m), indent=2, sort_keys=True) + "\n"
         for (s, v), m in sorted(registry().items())
     }
+    out[SCHEMAS / REPLY_FILE] = json.dumps(reply_schema(), indent=2, sort_keys=True) + "\n"
     header = "# Written by `make schemas` (python -m shared.contract) from the code: do not edit.\n"
-    out[ASYNCAPI] = header + yaml.safe_dump(asyncapi(), sort_keys=False, width=110)
+    out[ASYNCAPI] = header + yaml.dump(asyncapi(), Dumper=_Dumper, sort_keys=False, width=110)
     return out
 
 

@@ -1,17 +1,38 @@
 """The contract as data (docs/schemas/, docs/asyncapi.yaml) stays true to the code, and old messages stay
-readable: every committed example is replayed against today's readers."""
+readable: every committed example is replayed against today's readers. The AsyncAPI document describes
+the whole conversation: every request's reply and its error shape, the dead letters and the headers their
+filer really writes, the security scheme, and the schema format of every payload (issue 30);
+tests/test_asyncapi_parser.py has the official parser read it."""
 
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
+from deploy.stack import Stack
+from rackctl.client import Client
 from services.instance_manager.app import instance_events
 from shared import contract, subjects
 from shared.messages import BadMessage, InstanceChangedV2, InstanceView, decode, registry, schema_of
+from tests.conftest import JetStreamAs
+from tests.test_bad_input import raw_envelope
+from tests.test_cli import assert_ok, rackctl
+from tests.test_dlq import _bad_delta
+
+ROOT = Path(__file__).resolve().parent.parent
+OWN = {"reply", "dead-letter"}
+"""The document's messages that are no registered schema: the answer to every request, and a dead letter."""
+
+
+def _doc() -> dict[str, Any]:
+    return yaml.safe_load(contract.ASYNCAPI.read_text())
 
 
 def test_the_committed_schemas_and_asyncapi_document_match_the_code() -> None:
@@ -32,13 +53,132 @@ def test_every_kept_example_is_read_by_todays_readers(path: Path) -> None:
 
 
 def test_the_asyncapi_document_names_a_channel_for_every_schema() -> None:
-    doc = yaml.safe_load(contract.ASYNCAPI.read_text())
+    doc = _doc()
     assert doc["asyncapi"] == "3.0.0"
     listed = {m for ch in doc["channels"].values() for m in ch["messages"]}
-    assert listed == {f"{s}.v{v}" for s, v in registry()}
+    assert listed == {f"{s}.v{v}" for s, v in registry()} | OWN
     for ch in doc["channels"].values():
-        for param in [t[1:-1] for t in ch["address"].split(".") if t.startswith("{")]:
+        for param in [t[1:-1] for t in (ch["address"] or "").split(".") if t.startswith("{")]:
             assert param in ch["parameters"], ch
+
+
+def test_every_request_reply_operation_has_a_reply_on_the_requesters_inbox() -> None:
+    """Both halves of every request/reply: the sender's and the receiver's operation name the reply, on a
+    channel whose address is the request's reply subject (null: known only when the request is made), and
+    its message is the one `reply` every server sends."""
+    doc = _doc()
+    requests = {contract._name(ch.address) for ch in contract.channels() if ch.kind == "request"}
+    assert len(requests) >= 26
+    inbox = doc["channels"][contract.REPLY_CHANNEL]
+    assert inbox["address"] is None and "_INBOX_<identity>" in inbox["description"]
+    assert set(inbox["messages"]) == {"reply"}
+    for name, op in doc["operations"].items():
+        channel = op["channel"]["$ref"].removeprefix("#/channels/")
+        if channel not in requests:
+            assert "reply" not in op, name  # a stream's messages are answered by no one
+            continue
+        assert op["reply"] == {"$ref": "#/components/replies/reply"}, name
+    with_reply = {
+        op["channel"]["$ref"].removeprefix("#/channels/")
+        for op in doc["operations"].values()
+        if "reply" in op
+    }
+    assert with_reply == requests
+    assert doc["components"]["replies"]["reply"] == {
+        "channel": {"$ref": f"#/channels/{contract.REPLY_CHANNEL}"},
+        "messages": [{"$ref": f"#/channels/{contract.REPLY_CHANNEL}/messages/reply"}],
+    }
+    reply = doc["components"]["messages"]["reply"]
+    assert reply["payload"] == {
+        "schemaFormat": contract.SCHEMA_FORMAT,
+        "schema": {"$ref": "schemas/reply.json"},
+    }
+
+
+def test_the_reply_schema_is_the_reply_model_and_states_the_error_shape() -> None:
+    schema = json.loads((contract.SCHEMAS / contract.REPLY_FILE).read_text())
+    assert schema == contract.reply_schema()
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["required"] == ["ok"] and set(schema["properties"]) == {"ok", "data", "error"}
+    error = schema["$defs"]["ReplyError"]
+    assert error["required"] == ["code", "message"] and error["type"] == "object"
+    validator = jsonschema.Draft202012Validator(schema)
+    for example in schema["examples"]:
+        validator.validate(example)
+    with pytest.raises(jsonschema.ValidationError):
+        validator.validate({"ok": False, "error": {"code": "not_found"}})  # an error says why, in words
+
+
+async def test_every_answer_a_service_sends_is_valid_against_the_reply_schema(client: Client) -> None:
+    """Real answers, raw off the wire: one carried out, one refused, one to a message that is no envelope."""
+    validator = jsonschema.Draft202012Validator(
+        json.loads((contract.SCHEMAS / contract.REPLY_FILE).read_text()),
+        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER,
+    )
+    nosuch = f"nosuch-{uuid.uuid4().hex[:8]}"
+    asked = {
+        "ok": (subjects.command(None, "silo", "list"), raw_envelope("rp.cmd.silo.list", 1, {})),
+        "not_found": (
+            subjects.command(nosuch, "silo", "show"),
+            raw_envelope("rp.cmd.silo.show", 1, {"silo": nosuch}),
+        ),
+        "malformed": (subjects.command(None, "silo", "list"), b"{not json"),
+    }
+    for expect, (subject, payload) in asked.items():
+        answer = json.loads((await client.nc.request(subject, payload, timeout=5)).data)
+        validator.validate(answer)
+        assert answer["ok"] if expect == "ok" else answer["error"]["code"] == expect, answer
+
+
+def test_every_payload_says_it_is_json_schema_2020_12() -> None:
+    doc = _doc()
+    for name, message in doc["components"]["messages"].items():
+        if name == "dead-letter":
+            continue  # its body is whatever was stored: no schema
+        payload = message["payload"]
+        assert payload["schemaFormat"] == contract.SCHEMA_FORMAT, name
+        file = contract.ASYNCAPI.parent / payload["schema"]["$ref"]
+        assert json.loads(file.read_text())["$schema"] == "https://json-schema.org/draft/2020-12/schema", name
+
+
+def test_the_dead_letter_channel_names_every_header_the_filer_writes() -> None:
+    doc = _doc()
+    [channel] = [ch for ch in doc["channels"].values() if (ch["address"] or "").startswith("rp.dlq.")]
+    assert channel["address"] == subjects.dead_letter("{service}", "{consumer}")
+    assert subjects.DLQ_STREAM in channel["description"]
+    assert set(channel["parameters"]) == {"service", "consumer"}
+    headers = doc["components"]["messages"]["dead-letter"]["headers"]
+    written = set(re.findall(r"\"(Rp-Dlq-[A-Za-z]+)\"", (ROOT / "shared" / "bus.py").read_text()))
+    assert len(written) >= 6, "the pattern still matches the filer's headers"
+    assert set(headers["properties"]) == written | {"Nats-Msg-Id"}
+    assert set(headers["required"]) == set(headers["properties"]) - {"Rp-Dlq-Truncated"}
+    ops = {
+        n: op for n, op in doc["operations"].items() if op["channel"]["$ref"].endswith(contract.DLQ_CHANNEL)
+    }
+    assert {op["action"] for op in ops.values()} == {"send", "receive"}
+
+
+async def test_a_real_dead_letter_carries_the_headers_the_document_names(
+    stack: Stack, jetstream_as: JetStreamAs
+) -> None:
+    letter, _, _ = await _bad_delta(stack, jetstream_as)
+    r = await rackctl(stack, "dlq", "show", str(letter["seq"]), "--json")
+    assert_ok(r)
+    sent = set(r.json()["headers"])
+    headers = _doc()["components"]["messages"]["dead-letter"]["headers"]
+    assert set(headers["required"]) <= sent <= set(headers["properties"]), sent
+
+
+def test_the_security_scheme_is_the_nkey_and_every_server_asks_for_it() -> None:
+    doc = _doc()
+    schemes = doc["components"]["securitySchemes"]
+    assert schemes["nkey"]["type"] == "asymmetricEncryption"
+    assert "nkey" in schemes["nkey"]["description"] and "_INBOX_<identity>" in schemes["nkey"]["description"]
+    servers = doc["servers"]
+    assert {s["protocol"] for s in servers.values()} == {"nats"}
+    assert "TLS=1" in servers["local-tls"]["description"]
+    for server in servers.values():
+        assert server["security"] == [{"$ref": "#/components/securitySchemes/nkey"}]
 
 
 def test_channel_addresses_are_the_subjects_the_code_uses() -> None:
@@ -53,6 +193,7 @@ def test_channel_addresses_are_the_subjects_the_code_uses() -> None:
 
     assert address("rp.cmd.instance.start") == subjects.command("acme", "instance", "start")
     assert address("rp.cmd.vmm.lost") == subjects.command(None, "vmm", "lost")
+    assert address("rp.cmd.silo.delete") == subjects.command(None, "silo", "delete")  # its body names no silo
     assert address("rp.sled.vmm.ensure") == subjects.sled_command("sled-7", "vmm.ensure")
     assert address("rp.sled.inventory") == subjects.sled_report("sled-7", "inventory")
     assert address("rp.acct.delta") == subjects.provision_delta("acme", "web", "{instance}")

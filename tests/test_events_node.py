@@ -8,12 +8,8 @@ Skipped, with the reason, where node or npm is absent or the npm registry cannot
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import re
 import shutil
-import subprocess
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,51 +20,16 @@ from nats.js import JetStreamContext
 from deploy.stack import Stack
 from rackctl.client import Client
 from tests.conftest import connect_as, eventually, unique
+from tests.npm import npm_ci
 from tests.test_cli import ROOT, _env
 from tests.test_events import _lines_until, _spawn, _start_and_stop, _stop
 
 EXAMPLE = ROOT / "examples" / "events_consumer_node"
-UNREACHABLE = re.compile(r"ENOTFOUND|EAI_AGAIN|ECONNREFUSED|ECONNRESET|ETIMEDOUT|ENETUNREACH|EHOSTUNREACH")
-
-
-def _install() -> None:
-    """`npm ci` into the example once (again when its lockfile is newer than the install), or skip."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.skip("node and npm are needed for the Node example (examples/events_consumer_node)")
-    major = int(
-        subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()[1:].split(".")[0]
-    )
-    if major < 18:
-        pytest.skip(f"the Node example needs node 18 or newer (found {major})")
-    installed = EXAMPLE / "node_modules" / ".package-lock.json"
-    # One install at a time: this file's tests may run in two pytest-xdist workers, and `npm ci` starts by
-    # removing node_modules.
-    with open(Path(tempfile.gettempdir()) / "rackplane-events-consumer-node.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (
-            installed.exists()
-            and installed.stat().st_mtime >= (EXAMPLE / "package-lock.json").stat().st_mtime
-        ):
-            return
-        try:
-            r = subprocess.run(
-                [npm, "ci", "--no-audit", "--no-fund", "--prefer-offline", "--fetch-retries=1"],
-                cwd=EXAMPLE,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-        except subprocess.TimeoutExpired:
-            pytest.skip("npm ci timed out: is the npm registry reachable?")
-    if r.returncode != 0 and (offline := UNREACHABLE.search(r.stderr)):
-        pytest.skip(f"the npm registry cannot be reached: {offline.group(0)}")
-    assert r.returncode == 0, r.stderr
 
 
 @pytest.fixture(scope="module")
 def node_example() -> Path:
-    _install()
+    npm_ci(EXAMPLE, "the Node example (examples/events_consumer_node)")
     return EXAMPLE / "consume.mjs"
 
 

@@ -25,6 +25,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import to_json
+from typing_extensions import TypedDict
 
 # --- names --------------------------------------------------------------------------------------------
 
@@ -198,12 +199,20 @@ class Envelope(Model):
         return storable(value)
 
 
+class ReplyError(TypedDict):
+    """Why a request was refused: `code`, one word a program can branch on (docs/subjects.md lists them),
+    and `message`, one line for a person. A dict, so that callers read it as they always have."""
+
+    code: str
+    message: str
+
+
 class Reply(BaseModel):
     """The body of every request/reply answer: `ok` with `data`, or an error with a code and message."""
 
-    ok: bool
-    data: Any = None
-    error: dict[str, str] | None = None
+    ok: bool = Field(description="whether the request was carried out")
+    data: Any = Field(None, description="the answer when `ok`: its shape is the command's (docs/subjects.md)")
+    error: ReplyError | None = Field(None, description="why not, when not `ok`")
 
 
 _REGISTRY: dict[tuple[str, int], type[Model]] = {}
