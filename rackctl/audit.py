@@ -104,13 +104,17 @@ async def resolve(conn: asyncpg.Connection, silo: str | None, project: str | Non
     does not exist."""
     if silo is None:
         return FLEET
-    silo_id = await conn.fetchval("SELECT id FROM instance_manager.silos WHERE name = $1", silo)
+    silo_id = await conn.fetchval(  # a deleted silo's name may be another's now
+        "SELECT id FROM instance_manager.silos WHERE name = $1 AND deleted_at IS NULL", silo
+    )
     if silo_id is None:
         raise UnknownScope(f"no silo {silo!r}")
     if project is None:
         return Scope(silo, None, silo_id)
     project_id = await conn.fetchval(
-        "SELECT id FROM instance_manager.projects WHERE silo_id = $1 AND name = $2", silo_id, project
+        "SELECT id FROM instance_manager.projects WHERE silo_id = $1 AND name = $2 AND deleted_at IS NULL",
+        silo_id,
+        project,
     )
     if project_id is None:
         raise UnknownScope(f"no project {project!r} in silo {silo!r}")

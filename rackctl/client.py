@@ -32,10 +32,12 @@ from shared.messages import (
     PoolResize,
     PoolShow,
     ProjectCreate,
+    ProjectDelete,
     ProjectList,
     Quota,
     ServiceFaults,
     SiloCreate,
+    SiloDelete,
     SiloLimitsSet,
     SiloList,
     SiloShow,
@@ -161,6 +163,14 @@ class Client:
 
     async def project_list(self, silo: str) -> Any:
         return await self.every(ProjectList(silo=silo))
+
+    async def silo_delete(self, name: str) -> Any:
+        """Delete a silo that holds no project (the fleet operator's command, on `_fleet`)."""
+        return await self.call(subjects.command(None, "silo", "delete"), SiloDelete(name=name))
+
+    async def project_delete(self, silo: str, name: str) -> Any:
+        """Delete a project that holds no instance and no pool."""
+        return await self.send(ProjectDelete(silo=silo, name=name))
 
     # --- instances ---
 

@@ -38,6 +38,14 @@ def contexts_dir() -> Path:
     return Path(os.environ.get("RACKPLANE_HOME") or ROOT / ".rackplane") / "contexts"
 
 
+def identities_dir() -> Path:
+    """The identities folder of the rack this host runs (deploy/identities.py): $RACKPLANE_IDENTITIES, else
+    $RACKPLANE_HOME/identities, else .rackplane/identities of the checkout."""
+    if shared := os.environ.get("RACKPLANE_IDENTITIES"):
+        return Path(shared)
+    return Path(os.environ.get("RACKPLANE_HOME") or ROOT / ".rackplane") / "identities"
+
+
 def path_of(name: str) -> Path:
     if name.endswith(".json") or os.sep in name:
         return Path(name)

@@ -1,6 +1,6 @@
 """docs/asyncapi.yaml as a client author's tooling reads it: the official AsyncAPI parser (npm
 `@asyncapi/parser`, pinned in tests/asyncapi/package.json) finds no error and no warning in it, and every
-payload compiles as the JSON Schema 2020-12 its `schemaFormat` says it is (issue 30). The drift test
+payload compiles as the JSON Schema 2020-12 its `schemaFormat` says it is. The drift test
 (tests/test_contract.py) says the file is what the code writes; this one says what it writes is valid.
 
 The parser is installed into tests/asyncapi/node_modules (ignored by git) by `npm ci` the first time, some

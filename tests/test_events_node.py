@@ -1,4 +1,4 @@
-"""The Node consumer of rackplane's events (issue 30: examples/events_consumer_node, nats.js and ajv), run
+"""The Node consumer of rackplane's events (examples/events_consumer_node, nats.js and ajv), run
 as a third party runs it, against the session stack: it prints the events of a start and a stop, each
 valid against its published schema, and reports and terminates what fails its schema or has none.
 

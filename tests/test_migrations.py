@@ -176,12 +176,12 @@ def test_a_deployment_migrates_once_and_its_services_only_check(pg: tuple[Postgr
         refused.stderr.strip()
         .splitlines()[-1]
         .startswith(
-            "accounting: schema accounting: 4 migrations pending (shared/001_outbox.sql, "
+            "accounting: schema accounting: 5 migrations pending (shared/001_outbox.sql, "
             "accounting/001_initial.sql"
         )
     )
     status = run(["-m", "shared.migrate", "--status"], logins["check"])
-    assert status.returncode == 1 and "accounting: not current (4 pending)" in status.stdout, status.stderr
+    assert status.returncode == 1 and "accounting: not current (5 pending)" in status.stdout, status.stderr
 
     # One step migrates, each schema with its own login (as its owner role), and exits.
     only = run(["-m", "services.accounting"], logins["accounting"], RACKPLANE_MIGRATE="only")
@@ -210,7 +210,7 @@ def test_a_deployment_migrates_once_and_its_services_only_check(pg: tuple[Postgr
         assert [m["name"] for m in migrations] == ["shared/001_outbox.sql", *(f"{schema}/{f}" for f in files)]
         assert all(m["state"] == "applied" and m["checksum"] == m["applied_checksum"] for m in migrations)
     text = run(["-m", "shared.migrate", "--status", "accounting"], logins["check"]).stdout
-    assert text.splitlines()[0] == "accounting: current (4 applied)"
+    assert text.splitlines()[0] == "accounting: current (5 applied)"
 
     # The tables belong to the owner role, not to the login that ran the migrations.
     async def owners() -> set[str]:

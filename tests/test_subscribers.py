@@ -182,6 +182,12 @@ async def test_rackctl_adds_lists_follows_rotates_and_removes_a_subscriber(
     r = await rackctl(stack, "--context", name, "events", "follow", "--count", "1", "--from", "1", **env)
     assert r.code == 0, r  # the context names the seed file, which now holds the new key
 
+    # the silo deleted while its subscriber remains: scoped by the silo's name, it would reach a new silo
+    # of that name, and the command says so
+    r = await rackctl(stack, "project", "delete", f"{silo}/web", **env)
+    assert r.code == 0, r
+    r = await rackctl(stack, "silo", "delete", silo, **env)
+    assert r.code == 0 and f"its identities remain: {name}" in r.out, r
     r = await rackctl(stack, "subscriber", "remove", name, *rack, **env)
     assert r.code == 2 and "--yes" in r.err, r
     r = await rackctl(stack, "subscriber", "remove", name, *rack, "--yes", **env)

@@ -209,8 +209,8 @@ def row(msg: Msg, names: dict[str, str] | None = None) -> tuple[Any, ...]:
     elif "outcome" in data:
         iid = data.get("instance_id")
         name, state, generation = names.get(str(iid), iid), data.get("outcome"), data.get("generation")
-    elif event.endswith(".created"):
-        name, state = data.get("name"), "created"
+    elif event.endswith((".created", ".deleted")):
+        name, state = data.get("name"), event.rsplit(".", 1)[-1]
     elif "project_id" in data:
         name = names.get(str(data.get("project_id")), data.get("project_id"))
     return (when, silo, event, name, state, generation)

@@ -1,4 +1,4 @@
-"""`rackctl project`: the projects inside a silo."""
+"""`rackctl project`: the projects inside a silo: create, list, delete."""
 
 from __future__ import annotations
 
@@ -36,3 +36,19 @@ async def project_list(ctx: Ctx) -> None:
         print_table(("PROJECT", "ID"), [(f"{p['silo']}/{p['name']}", p["id"]) for p in projects])
 
     ctx.emit(await (await ctx.client()).project_list(ctx.args.silo), human)
+
+
+@command(
+    "project delete",
+    "delete a project that holds no instance and no pool (refused, saying what, while any lives)",
+    lambda p: p.add_argument("project", type=project_path, metavar="SILO/PROJECT"),
+    json_flag,
+    examples=(
+        "rackctl project delete acme/web",
+        "rackctl project delete acme/web --json",
+    ),
+)
+async def project_delete(ctx: Ctx) -> None:
+    silo, name = ctx.args.project
+    data = await (await ctx.client()).project_delete(silo, name)
+    ctx.emit(data, lambda d: print(f"deleted project {d['silo']}/{d['name']}"))

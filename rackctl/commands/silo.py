@@ -1,10 +1,12 @@
-"""`rackctl silo`: silos, the tenants, with their quotas."""
+"""`rackctl silo`: silos, the tenants, with their quotas: create, list, show, limits, delete."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
+from rackctl import context as contexts
 from rackctl.commands.args import count, json_flag, silo_path, size
 from rackctl.commands.base import Ctx, UsageError, command, group, validated
 from rackctl.output import print_fields, print_table
@@ -76,6 +78,49 @@ async def silo_list(ctx: Ctx) -> None:
         print_table(("SILO", "VCPU QUOTA", "RAM QUOTA", "STORAGE QUOTA"), rows)
 
     ctx.emit(await (await ctx.client()).silo_list(), human)
+
+
+@command(
+    "silo delete",
+    "delete a silo that holds no project (refused, saying which, while any lives); its name is free again",
+    lambda p: p.add_argument("name", type=silo_path, metavar="SILO"),
+    json_flag,
+    examples=(
+        "rackctl silo delete acme",
+        "rackctl silo delete acme --json",
+    ),
+)
+async def silo_delete(ctx: Ctx) -> None:
+    data = await (await ctx.client()).silo_delete(ctx.args.name)
+    left = _identities_of(ctx.args.name)
+    ctx.emit(
+        {**data, "identities_left": left},
+        lambda d: print(
+            f"deleted silo {d['name']}"
+            + (
+                f"; its identities remain: {', '.join(left)}. The broker scopes them by the silo's name: "
+                "remove them before the name is given to another tenant (rackctl subscriber remove NAME "
+                "--yes; python -m deploy.identities remove DIR NAME)"
+                if left
+                else ""
+            )
+        ),
+    )
+
+
+def _identities_of(silo: str) -> list[str]:
+    """The silo's operators and subscribers that the rack's identities folder still names, where this
+    host holds it: scoped by the silo's name, they would reach a new silo of that name."""
+    manifest = contexts.identities_dir() / "identities.json"
+    try:
+        rows = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return []
+    return sorted(
+        r["name"]
+        for r in rows
+        if isinstance(r, dict) and r.get("kind") in ("silo-operator", "subscriber") and r.get("param") == silo
+    )
 
 
 def _size_or_none(n: int | None) -> str | None:

@@ -9,7 +9,6 @@ with the current context's address.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,6 @@ from rackctl.output import print_table
 from shared import subjects
 
 group("subscriber", "services that follow the events: an identity and a stream each")
-
-
-def _identities_dir() -> Path:
-    if shared := os.environ.get("RACKPLANE_IDENTITIES"):
-        return Path(shared)
-    return Path(os.environ.get("RACKPLANE_HOME") or contexts.ROOT / ".rackplane") / "identities"
 
 
 def _rack_options(p: argparse.ArgumentParser) -> None:
@@ -51,7 +44,7 @@ def _name(p: argparse.ArgumentParser) -> None:
 
 def _rack(ctx: Ctx) -> subscribers.Rack:
     a = ctx.args
-    folder = a.identities or _identities_dir()
+    folder = a.identities or contexts.identities_dir()
     if not (folder / "identities.json").exists():
         raise UsageError(f"no identities folder at {folder} (give --identities DIR)")
     current = contexts.load(a.context)

@@ -63,19 +63,26 @@ WHERE p.id = u.id
 RETURNING p.id, p.silo_id, p.vcpus, p.ram_bytes, p.disk_bytes;
 
 -- name: silo_by_name
+-- A name means its newest silo: one deleted in instance-manager keeps its row, and its name may be reused.
 SELECT id, name, quota_vcpus, quota_ram_bytes, quota_disk_bytes, vcpus, ram_bytes, disk_bytes
-FROM silos WHERE name = $1;
+FROM silos WHERE name = $1 ORDER BY seq DESC LIMIT 1;
 
 -- name: silo_list
-SELECT id, name, quota_vcpus, quota_ram_bytes, quota_disk_bytes, vcpus, ram_bytes, disk_bytes
-FROM silos ORDER BY name;
+-- Each name's newest silo (silo_by_name).
+SELECT DISTINCT ON (name) id, name, quota_vcpus, quota_ram_bytes, quota_disk_bytes, vcpus, ram_bytes, disk_bytes
+FROM silos ORDER BY name, seq DESC;
 
 -- name: project_by_name
+-- The newest project of the name in the newest silo of the name (silo_by_name).
 SELECT p.id, p.name, p.vcpus, p.ram_bytes, p.disk_bytes
-FROM projects p JOIN silos s ON s.id = p.silo_id WHERE s.name = $1 AND p.name = $2;
+FROM projects p
+WHERE p.silo_id = (SELECT id FROM silos WHERE name = $1 ORDER BY seq DESC LIMIT 1) AND p.name = $2
+ORDER BY p.seq DESC LIMIT 1;
 
 -- name: projects_of_silo
-SELECT p.id, p.name, p.vcpus, p.ram_bytes, p.disk_bytes FROM projects p WHERE p.silo_id = $1 ORDER BY p.name;
+-- Each name's newest project in silo $1 (project_by_name).
+SELECT DISTINCT ON (p.name) p.id, p.name, p.vcpus, p.ram_bytes, p.disk_bytes
+FROM projects p WHERE p.silo_id = $1 ORDER BY p.name, p.seq DESC;
 
 -- name: fleet_get
 -- The fleet's totals are the sum of its silos' (no row of its own that every charge would have to lock).

@@ -32,9 +32,13 @@ from shared.messages import (
     InstanceStop,
     ProjectCreate,
     ProjectCreated,
+    ProjectDelete,
+    ProjectDeleted,
     ProjectList,
     SiloCreate,
     SiloCreated,
+    SiloDelete,
+    SiloDeleted,
     SiloLimitsSet,
     SiloList,
     SiloShow,
@@ -50,6 +54,8 @@ log = logging.getLogger(__name__)
 
 SAGA_REPLY_WAIT = 10.0
 """How long a create, start or migration waits for its saga before answering "in progress"."""
+NAMES_SHOWN = 5
+"""Most project names a refused `silo delete` lists (it says how many there are in all)."""
 LOST_ORDERS_TOGETHER = 64
 """Most lost orders applied in one transaction (each names up to LOST_BATCH VMMs of one sled)."""
 
@@ -78,6 +84,7 @@ class Commands:
                 SiloList: self.silo_list,
                 SiloShow: self.silo_show,
                 SiloLimitsSet: self.silo_limits_set,
+                SiloDelete: self.silo_delete,
             },
             queue=q,
             admit=admit,
@@ -85,7 +92,11 @@ class Commands:
         await bus.serve(
             nc,
             subjects.command_pattern("project"),
-            {ProjectCreate: self.project_create, ProjectList: self.project_list},
+            {
+                ProjectCreate: self.project_create,
+                ProjectList: self.project_list,
+                ProjectDelete: self.project_delete,
+            },
             queue=q,
             admit=admit,
         )
@@ -229,6 +240,58 @@ class Commands:
             )
         self.app.relay.kick()
         return {"id": str(project_id), "silo": body.silo, "name": body.name}
+
+    async def silo_delete(self, body: SiloDelete, msg: Msg) -> dict[str, Any]:
+        """Delete a silo that holds no project. Its row is locked FOR UPDATE, which a project create's
+        lock of it waits for, so a create racing the delete either is counted here (the delete refused) or
+        finds no silo after it. The row stays, marked deleted (its projects point at it); its name is free."""
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            silo = await conn.fetchrow(Q["silo_lock_delete"], body.name)
+            if silo is None:
+                raise bus.NotFound(f"no silo {body.name}")
+            inside = await conn.fetch(Q["silo_projects"], silo["id"], NAMES_SHOWN)
+            if inside:
+                raise bus.Conflict(
+                    f"silo {body.name} still holds {_count(inside[0]['total'], 'project')}: "
+                    f"{_listed([r['name'] for r in inside], inside[0]['total'])} (rackctl project delete)"
+                )
+            await conn.execute(Q["silo_mark_deleted"], silo["id"])
+            await enqueue(
+                conn,
+                subjects.event(body.name, "silo", "deleted"),
+                SiloDeleted(silo_id=silo["id"], name=body.name),
+                source=SOURCE,
+                key=f"silo-deleted:{silo['id']}",
+            )
+        self.app.relay.kick()
+        return {"id": str(silo["id"]), "name": body.name}
+
+    async def project_delete(self, body: ProjectDelete, msg: Msg) -> dict[str, Any]:
+        """Delete a project that holds no instance (but destroyed ones) and no live pool. Its silo's row is
+        locked first, as every create inside locks it, then its own FOR UPDATE, which the insert of an
+        instance or a pool waits for (instance_insert, pool_insert): an insert racing the delete is either
+        counted here (the delete refused) or finds the project deleted after it (not found)."""
+        where = f"{body.silo}/{body.name}"
+        async with self.app.pool.acquire() as conn, conn.transaction():
+            silo = await conn.fetchrow(Q["silo_lock_limits"], body.silo)
+            project = silo and await conn.fetchrow(Q["project_lock_delete"], silo["id"], body.name)
+            if not project:
+                raise bus.NotFound(f"no project {where}")
+            held = await conn.fetchrow(Q["project_holds"], project["id"])
+            if held["instances"] or held["pools"]:
+                kinds = (("instances", "instance"), ("pools", "pool"))
+                things = [_count(held[k], what) for k, what in kinds if held[k]]
+                raise bus.Conflict(f"project {where} still holds {' and '.join(things)}")
+            await conn.execute(Q["project_mark_deleted"], project["id"])
+            await enqueue(
+                conn,
+                subjects.event(body.silo, "project", "deleted"),
+                ProjectDeleted(project_id=project["id"], silo_id=silo["id"], silo=body.silo, name=body.name),
+                source=SOURCE,
+                key=f"project-deleted:{project['id']}",
+            )
+        self.app.relay.kick()
+        return {"id": str(project["id"]), "silo": body.silo, "name": body.name}
 
     async def project_list(self, body: ProjectList, msg: Msg) -> dict[str, Any]:
         rows = await self.app.pool.fetch(
@@ -421,3 +484,14 @@ class Commands:
         rows, next_cursor = paging.page(rows, body.limit, lambda r: (r["id"],))
         items = [{**dict(r), "boot_id": str(r["boot_id"]) if r["boot_id"] else None} for r in rows]
         return paging.reply(items, next_cursor)
+
+
+def _count(n: int, what: str) -> str:
+    """`1 pool`, `2 instances`."""
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _listed(names: list[str], total: int) -> str:
+    """The names shown, and how many more there are."""
+    more = total - len(names)
+    return ", ".join(names) + (f" and {more} more" if more > 0 else "")

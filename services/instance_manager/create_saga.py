@@ -25,7 +25,7 @@ async def record(ctx: Context) -> dict[str, Any]:
     instance_id = uuid.UUID(p["instance_id"])
     try:
         async with ctx.tx.transaction():  # a savepoint: a name clash must not poison the caller's tx
-            await ctx.tx.execute(
+            inserted = await ctx.tx.execute(
                 Q["instance_insert"],
                 instance_id,
                 uuid.UUID(p["project_id"]),
@@ -38,6 +38,8 @@ async def record(ctx: Context) -> dict[str, Any]:
             )
     except asyncpg.UniqueViolationError:
         raise bus.Conflict(f"instance {p['silo']}/{p['project']}/{p['name']} already exists") from None
+    if inserted == "INSERT 0 0":  # the project was deleted meanwhile (instance_insert)
+        raise bus.NotFound(f"no project {p['silo']}/{p['project']}")
     v = await ctx.app.instance_changed(ctx.tx, instance_id)
     return {"generation": v.generation, "silo_id": str(v.silo_id)}
 

@@ -122,9 +122,13 @@ class Pools:
             try:
                 async with conn.transaction():
                     shape = (body.vcpus, body.ram_bytes, body.disk_bytes)
-                    await conn.execute(P["pool_insert"], new_id, project["id"], body.name, *shape, body.size)
+                    inserted = await conn.execute(
+                        P["pool_insert"], new_id, project["id"], body.name, *shape, body.size
+                    )
             except asyncpg.UniqueViolationError:
                 raise bus.Conflict(f"pool {body.silo}/{body.project}/{body.name} already exists") from None
+            if inserted == "INSERT 0 0":  # the project was deleted meanwhile (pool_insert)
+                raise bus.NotFound(f"no project {body.silo}/{body.project}")
             v = await announce(self.app, conn, new_id, "created")
         self.keeper.kick()
         return v.model_dump(mode="json")

@@ -1,6 +1,10 @@
 -- name: pool_insert
+-- Only into project $2 while it lives, as instance_insert (queries.sql): a pool create racing a
+-- `project delete` waits for it, then inserts nothing.
 INSERT INTO pools (id, project_id, name, vcpus, ram_bytes, disk_bytes, target_size)
-VALUES ($1, $2, $3, $4, $5, $6, $7);
+SELECT $1::uuid, p.id, $3::text, $4::int, $5::bigint, $6::bigint, $7::int
+FROM projects p WHERE p.id = $2 AND p.deleted_at IS NULL
+FOR KEY SHARE OF p;
 
 -- name: pool_by_name
 SELECT pl.id FROM pools pl

@@ -1,34 +1,73 @@
 -- name: silo_insert
-INSERT INTO silos (id, name, quota) VALUES ($1, $2, $3) ON CONFLICT (name) DO NOTHING RETURNING id;
+INSERT INTO silos (id, name, quota) VALUES ($1, $2, $3)
+ON CONFLICT (name) WHERE deleted_at IS NULL DO NOTHING RETURNING id;
 
 -- name: silo_by_name
-SELECT id, name, quota, created_at FROM silos WHERE name = $1;
+SELECT id, name, quota, created_at FROM silos WHERE name = $1 AND deleted_at IS NULL;
 
 -- name: silo_page
 -- A page of silos after name $1, $2 at most (and one more, to tell whether another page follows).
-SELECT id, name, quota, created_at FROM silos WHERE $1::text IS NULL OR name > $1 ORDER BY name LIMIT $2 + 1;
+SELECT id, name, quota, created_at FROM silos
+WHERE deleted_at IS NULL AND ($1::text IS NULL OR name > $1) ORDER BY name LIMIT $2 + 1;
 
 -- name: project_insert
-INSERT INTO projects (id, silo_id, name) VALUES ($1, $2, $3) ON CONFLICT (silo_id, name) DO NOTHING RETURNING id;
+INSERT INTO projects (id, silo_id, name) VALUES ($1, $2, $3)
+ON CONFLICT (silo_id, name) WHERE deleted_at IS NULL DO NOTHING RETURNING id;
 
 -- name: project_by_name
 SELECT p.id, p.name, p.silo_id, s.name AS silo
 FROM projects p JOIN silos s ON s.id = p.silo_id
-WHERE s.name = $1 AND p.name = $2;
+WHERE s.name = $1 AND p.name = $2 AND s.deleted_at IS NULL AND p.deleted_at IS NULL;
 
 -- name: project_page
 SELECT p.id, p.name, s.name AS silo, p.created_at
 FROM projects p JOIN silos s ON s.id = p.silo_id
-WHERE s.name = $1 AND ($2::text IS NULL OR p.name > $2)
+WHERE s.name = $1 AND s.deleted_at IS NULL AND p.deleted_at IS NULL AND ($2::text IS NULL OR p.name > $2)
 ORDER BY p.name LIMIT $3 + 1;
+
+-- name: silo_lock_delete
+-- `silo delete`: the live silo, locked FOR UPDATE, which a project create's lock (silo_lock_limits, FOR NO
+-- KEY UPDATE) waits for: a create that came first is counted (silo_projects), one that comes after finds
+-- no silo.
+SELECT id, name FROM silos WHERE name = $1 AND deleted_at IS NULL FOR UPDATE;
+
+-- name: silo_projects
+-- The names of the silo's live projects, $2 at most, and how many there are.
+SELECT count(*) OVER () AS total, name FROM projects
+WHERE silo_id = $1 AND deleted_at IS NULL ORDER BY name LIMIT $2;
+
+-- name: silo_mark_deleted
+UPDATE silos SET deleted_at = now() WHERE id = $1 AND deleted_at IS NULL;
+
+-- name: project_lock_delete
+-- `project delete`, once its silo's row is locked as every create inside locks it: the live project,
+-- locked FOR UPDATE, which the insert of an instance or a pool (instance_insert, pool_insert: FOR KEY SHARE
+-- of the live project) waits for. An insert that came first is counted (project_holds); one that comes
+-- after finds the project deleted and inserts nothing.
+SELECT p.id, p.silo_id FROM projects p
+WHERE p.silo_id = $1 AND p.name = $2 AND p.deleted_at IS NULL
+FOR UPDATE;
+
+-- name: project_holds
+-- What lives inside project $1: its instances that are not destroyed, whatever their state, and its live
+-- pools.
+SELECT (SELECT count(*) FROM instances WHERE project_id = $1 AND state <> 'destroyed') AS instances,
+       (SELECT count(*) FROM pools WHERE project_id = $1 AND state = 'active') AS pools;
+
+-- name: project_mark_deleted
+UPDATE projects SET deleted_at = now() WHERE id = $1 AND deleted_at IS NULL;
 
 -- name: instance_insert
 -- An ordinary instance may hold customer data from the start; a pool VM ($8) only once handed out.
 -- The pool means its VMs to run.
+-- Only into project $2 while it lives: its row is locked FOR KEY SHARE (as the foreign key locks it), so
+-- an insert racing a `project delete` (project_lock_delete) waits for it, then inserts nothing.
 INSERT INTO instances (id, project_id, name, vcpus, ram_bytes, disk_bytes, auto_restart, state, pool_id,
                        has_customer_data_at, intended_state)
-VALUES ($1, $2, $3, $4, $5, $6, $7, 'creating', $8, CASE WHEN $8::uuid IS NULL THEN now() END,
-        CASE WHEN $8::uuid IS NULL THEN 'stopped' ELSE 'running' END);
+SELECT $1::uuid, p.id, $3::text, $4::int, $5::bigint, $6::bigint, $7::text, 'creating', $8::uuid,
+       CASE WHEN $8::uuid IS NULL THEN now() END, CASE WHEN $8::uuid IS NULL THEN 'stopped' ELSE 'running' END
+FROM projects p WHERE p.id = $2 AND p.deleted_at IS NULL
+FOR KEY SHARE OF p;
 
 -- name: instance_view
 -- Everything a reply or an event says about an instance, for each of the instances $1, in that order. $2: seconds of sled silence after which its
@@ -484,26 +523,27 @@ RETURNING p.instance_id, p.generation;
 -- of one silo that check a count serialize (FOR NO KEY UPDATE: a project insert's foreign key check,
 -- FOR KEY SHARE, is not held up).
 SELECT id, name, max_projects, max_instances, max_pool_members, command_rate
-FROM silos WHERE name = $1
+FROM silos WHERE name = $1 AND deleted_at IS NULL
 FOR NO KEY UPDATE;
 
 -- name: silo_limits
 SELECT id, name, quota, created_at, max_projects, max_instances, max_pool_members, command_rate
-FROM silos WHERE name = $1;
+FROM silos WHERE name = $1 AND deleted_at IS NULL;
 
 -- name: silo_limits_set
 -- The fleet operator's `silo limits`: each given limit ($2..$5, NULL: unchanged) replaces the silo's.
 UPDATE silos SET max_projects = coalesce($2, max_projects), max_instances = coalesce($3, max_instances),
                  max_pool_members = coalesce($4, max_pool_members), command_rate = coalesce($5, command_rate)
-WHERE name = $1
+WHERE name = $1 AND deleted_at IS NULL
 RETURNING id;
 
 -- name: silo_command_rates
 -- The silos with a command rate of their own (the limiter's cache).
-SELECT name, command_rate FROM silos WHERE command_rate IS NOT NULL;
+SELECT name, command_rate FROM silos WHERE command_rate IS NOT NULL AND deleted_at IS NULL;
 
 -- name: silo_projects_count
-SELECT count(*) FROM projects WHERE silo_id = $1;
+-- The silo's live projects (a deleted one no longer counts against its limit).
+SELECT count(*) FROM projects WHERE silo_id = $1 AND deleted_at IS NULL;
 
 -- name: silo_instances_count
 -- The silo's instances that are not destroyed (warm-pool VMs included: each is a VM of the silo's). A
