@@ -20,6 +20,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from deploy import identities
 from rackctl import audit, dlq, stored
 from shared import subjects
 from shared.config import restart_backoff_max, restart_cooldown, settings, transition_timeout
@@ -332,11 +333,10 @@ CONSUMERS = {
 
 
 def judged(c: Any) -> bool:
-    """A durable consumer of a service or a sled, which must keep up; not a follower's (an operator's
-    `events follow`, an ordered reader) nor one a release before subscribers made for a third party."""
-    return bool(c.config.durable_name) and (
-        c.name in CONSUMERS or c.name.startswith(subjects.SLED_DURABLE_PREFIX)
-    )
+    """A durable consumer, which must keep up; not an ephemeral one (an operator's `events follow`, an
+    ordered reader), nor the one an earlier release made on EVENTS for the events reader (a third party's,
+    read at its own pace; the events reader is a subscriber now, with a stream of its own)."""
+    return bool(c.config.durable_name) and c.name != identities.EVENTS_READER
 
 
 SETTLE_GRACE = 5.0
