@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install run test test-containers lint chaos fuzz bench schemas clean
+.PHONY: install run test test-containers test-ha lint chaos fuzz bench schemas clean
 
 $(BIN)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 	@$(PYTHON) deploy/preflight.py install
@@ -15,10 +15,13 @@ $(BIN)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 install: $(BIN)/.installed
 
 ## run: start NATS, Postgres and the four services (or use NATS_URL / DATABASE_URL); Ctrl-C stops all.
-## FAULTS=1 lets the services take fault injection (rackctl chaos); TLS=1 puts NATS behind TLS.
+## FAULTS=1 lets the services take fault injection (rackctl chaos); TLS=1 puts NATS behind TLS; HA=1 runs
+## a three-node NATS cluster (every stream at three replicas), PostgreSQL under Patroni (a primary and a
+## synchronous standby, etcd) and two processes of each service.
 run: install
 	@$(PYTHON) deploy/preflight.py run
-	RACKPLANE_FAULTS=$(FAULTS) RACKPLANE_TLS=$(TLS) $(BIN)/python -m deploy.stack
+	@if [ -n "$(HA)" ] && [ "$(HA)" != 0 ]; then $(PYTHON) deploy/preflight.py ha; fi
+	RACKPLANE_FAULTS=$(FAULTS) RACKPLANE_TLS=$(TLS) RACKPLANE_HA=$(HA) $(BIN)/python -m deploy.stack
 
 ## test: lint, then the whole suite against real nats-server and PostgreSQL processes. Tests run on
 ## TEST_WORKERS workers (one more than this machine's 2 cores: a worker often waits on its stack; 2 took
@@ -42,6 +45,13 @@ test-containers: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+## test-ha: the stack of `make run HA=1` losing one machine at a time while commands run (tests/ha, the
+## `ha` marker; `make test` leaves them out): every acknowledged command has its effect, the checker finds
+## nothing
+test-ha: install
+	@$(PYTHON) deploy/preflight.py ha
+	$(BIN)/pytest -n 0 -m ha -p no:cacheprovider -o timeout=600 tests/ha
 
 ## chaos: a long fault-injection soak: random commands under random faults, then every invariant checked
 ## (make chaos SEED=42 DURATION=600; a failing run prints its seed and the log that replays it)

@@ -64,14 +64,18 @@ async def _apply(conn: asyncpg.Connection, statements: list[str]) -> None:
                 raise
 
 
-def with_login(url: str, user: str, password: str) -> str:
-    """`url` (an administrator's) with another user and password."""
+def with_login(url: str, user: str, password: str, *, read_only: bool = False) -> str:
+    """`url` (an administrator's) with another user and password. Its hosts stay as they are, one or
+    several (a multi-host DSN over a Patroni cluster's nodes: `h1:p1,h2:p2`), and so does its query
+    (`target_session_attrs=read-write`), except for a `read_only` role (default_transaction_read_only):
+    no node is read-write to it, so it asks for the primary instead (a standby's rows may lag)."""
     parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}" + (
-        f":{parts.port}" if parts.port else ""
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    hosts = parts.netloc.rpartition("@")[2]
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{hosts}"
+    query = parts.query
+    if read_only:
+        query = query.replace("target_session_attrs=read-write", "target_session_attrs=primary")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 async def provision(
@@ -100,7 +104,7 @@ async def provision(
                     SQL / "roles_common.sql", checker=CHECKER, checker_password=checker_pw, database=database
                 ),
             )
-            urls["check"] = with_login(admin_url, CHECKER, checker_pw)
+            urls["check"] = with_login(admin_url, CHECKER, checker_pw, read_only=True)
             for schema in SCHEMAS:
                 pw = password(schema)
                 await _apply(

@@ -13,9 +13,11 @@ import shutil
 import sys
 
 NEEDS_POSTGRES = ("initdb", "pg_ctl", "postgres")
+NEEDS_HA = ("patroni", "etcd")
+"""PostgreSQL under an HA manager (deploy/patroni.py): Debian's patroni and etcd-server."""
 
 
-def problems(need_postgres: bool):
+def problems(need_postgres: bool, need_ha: bool = False):
     found = []
     if sys.version_info < (3, 11):
         found.append(
@@ -43,13 +45,22 @@ def problems(need_postgres: bool):
                 "PostgreSQL's server binaries are missing (%s): apt-get install postgresql-15 (or set "
                 "DATABASE_URL to a PostgreSQL 15 server for make run)" % ", ".join(missing)
             )
+    if need_ha:
+        missing = [b for b in NEEDS_HA if not (shutil.which(b) or os.path.exists("/usr/bin/" + b))]
+        if missing:
+            found.append(
+                "PostgreSQL's HA manager is missing (%s): apt-get install --no-install-recommends patroni "
+                "etcd-server" % ", ".join(missing)
+            )
     return found
 
 
 def main():
     target = sys.argv[1] if len(sys.argv) > 1 else "run"
     need_postgres = target == "test" or (target == "run" and not os.environ.get("DATABASE_URL"))
-    found = problems(need_postgres)
+    # `make test-ha` (preflight.py ha) and `make run HA=1`: Patroni and etcd as well
+    need_ha = target == "ha" or os.environ.get("HA", "") not in ("", "0")
+    found = problems(need_postgres or target == "ha", need_ha)
     for line in found:
         sys.stderr.write("make %s: %s\n" % (target, line))
     sys.exit(1 if found else 0)

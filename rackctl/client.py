@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import re
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,6 +81,8 @@ class Client:
     def __init__(self, nc: NATS, timeout: float = 15.0) -> None:
         self.nc = nc
         self.timeout = timeout
+        self.told_busy = 0
+        """Commands told `busy` at least once (and sent again): what a burst's caller reports."""
 
     @classmethod
     async def connect(
@@ -108,8 +111,10 @@ class Client:
 
     async def call(self, subject: str, body: Model) -> Any:
         """Send a command and return its reply's data. One refused with `retry after N ms` is sent again
-        after that time (with jitter), for as long as the client's timeout, counted from the first send."""
+        after that time (with jitter), for as long as the client's timeout, counted from the first send;
+        a `busy` one says so on stderr, once a command (instance-manager has more sagas than it can run)."""
         deadline = time.monotonic() + self.timeout
+        said = False
         while True:
             try:
                 return await bus.request(self.nc, subject, body, source=SOURCE, timeout=self.timeout)
@@ -117,6 +122,10 @@ class Client:
                 wait = retry_after(e)
                 if wait is None or time.monotonic() + wait > deadline:
                     raise
+                if e.code == "busy" and not said:  # once a command: a burst's caller sees why it waits
+                    said = True
+                    self.told_busy += 1
+                    print(f"instance-manager busy: retrying in {wait * 1000:.0f} ms", file=sys.stderr)
             await asyncio.sleep(wait)
 
     async def pages(self, body: Paged) -> AsyncIterator[list[Any]]:

@@ -99,6 +99,11 @@ class Retry(Exception):
         self.delay = delay
 
 
+def servers(url: str) -> list[str]:
+    """The servers a NATS_URL names: one, or several comma-separated (spaces around them ignored)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 async def connect(
     url: str,
     name: str,
@@ -117,7 +122,8 @@ async def connect(
     `seed_file` is the identity's nkey seed (deploy/identities.py); `inbox_prefix` its private inbox, the
     only one its permissions let it read replies on; `ca_file` the CA that signed the server's certificate
     (the connection then uses TLS). (nats-py retries a first connection forever when reconnects are
-    unlimited, so the wait is bounded here.)
+    unlimited, so the wait is bounded here.) `url` may name several servers, comma-separated (the nodes
+    of a cluster, `make run HA=1`): the client connects to one and moves to another when it goes.
     """
     last_error: list[Exception] = []
 
@@ -156,7 +162,7 @@ async def connect(
     try:
         nc = await asyncio.wait_for(
             nats.connect(
-                url,
+                servers(url),
                 name=name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,

@@ -141,7 +141,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", populate_by_name=True)
 
     # connections
-    nats_url: str = _var("NATS_URL", DEFAULT_NATS_URL, "the broker (`tls://...` with TLS)")
+    nats_url: str = _var(
+        "NATS_URL",
+        DEFAULT_NATS_URL,
+        "the broker (`tls://...` with TLS); a cluster's nodes comma-separated (`make run HA=1`)",
+    )
     nats_nkey_file: str | None = _var(
         "NATS_NKEY_FILE", None, "the process's own NATS credential, an nkey seed file (docs/security.md)"
     )
@@ -344,6 +348,12 @@ class Settings(BaseSettings):
         2.0,
         "how many seconds' worth of commands a full bucket lets through at once",
     )
+    saga_backlog: Duration = _var(
+        "RACKPLANE_SAGA_BACKLOG",
+        5.0,
+        "seconds of saga work an instance-manager replica takes in hand (sagas under way over sagas "
+        "finished a second); past it a create, start or migrate is answered `busy: retry after N ms`",
+    )
 
     # the broker
     ack_wait: Duration = _var(
@@ -358,6 +368,15 @@ class Settings(BaseSettings):
         "how long the broker remembers a message id to drop its repeats (set on each stream when it is "
         "made or updated; past it, the receivers' own fences catch a resend). Accounting reads it too (it "
         "does not resend a repeat's outcome inside half of it): give every process the streams' value",
+    )
+
+    stream_replicas: int = _var(
+        "RACKPLANE_STREAM_REPLICAS",
+        1,
+        "deploy: copies the broker keeps of each stream, a new subscriber's included (`3` on a three-node "
+        "cluster, `make run HA=1`; rackplane's own streams are brought to it when they exist)",
+        ge=1,
+        le=5,
     )
 
     @model_validator(mode="after")
@@ -443,6 +462,10 @@ def duplicate_window() -> float:
 
 def ack_wait() -> float:
     return settings().ack_wait
+
+
+def stream_replicas() -> int:
+    return settings().stream_replicas
 
 
 def event_v1() -> bool:

@@ -41,6 +41,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared import metrics, telemetry
 from shared.bus import MSG_ID, BulkPublisher, headers_for, msg_id_for
+from shared.errors import transient
 from shared.faults import FAULTS
 from shared.messages import Model, encode, envelope
 
@@ -124,13 +125,18 @@ def _query_span(q: Any) -> None:
 
 
 async def create_pool(dsn: str, schema: str, *, min_size: int = 0, max_size: int = 10) -> asyncpg.Pool:
-    """A pool whose connections see only `schema` (the service's own tables) by default."""
+    """A pool whose connections see only `schema` (the service's own tables) by default. The first
+    connection is retried for 30 s while the database is away: not up yet, or, on a multi-host DSN with
+    target_session_attrs=read-write (PostgreSQL under Patroni), no node takes writes for the moment of a
+    failover (asyncpg's TargetServerAttributeNotMatched)."""
     deadline = asyncio.get_running_loop().time() + 30
     while True:
         try:
             conn = await asyncpg.connect(dsn)
             break
-        except (OSError, asyncpg.PostgresError) as e:
+        except Exception as e:
+            if not (transient(e) or isinstance(e, asyncpg.PostgresError)):
+                raise
             if asyncio.get_running_loop().time() > deadline:
                 raise ConnectionError(f"cannot reach postgres: {e}") from e
             await asyncio.sleep(0.25)

@@ -89,6 +89,9 @@ METRICS: dict[str, Metric] = {
     "inventories.stale": _c("Sled inventories refused as older than the one applied", IM, REC),
     # instance-manager
     "commands.limited": _c("Requests refused by a tenant's rate limit", IM),
+    "commands.busy": _c(
+        "Creates, starts and migrations refused busy: more sagas in hand than a backlog's worth", IM
+    ),
     "reports.applied": _c("VMM reports applied", IM),
     "reports.stale": _c("VMM reports refused by the generation fence", IM),
     "reports.wrong_sled": _c("VMM reports from a sled the VMM is not on", IM),

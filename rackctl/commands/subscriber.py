@@ -9,6 +9,7 @@ with the current context's address.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,19 @@ def _rack(ctx: Ctx) -> subscribers.Rack:
         url,
         current.ca if current else None,
         subscribers.reload_by_pid_file(pid_file),
+        _replicas(folder.parent / "stack.json"),
     )
+
+
+def _replicas(manifest: Path) -> int | None:
+    """As many copies of a new subscriber's stream as the broker has nodes, when the stack beside the
+    identities says (`make run HA=1`'s stack.json); else (None) RACKPLANE_STREAM_REPLICAS, or one."""
+    try:
+        procs = json.loads(manifest.read_text())["processes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    nodes = sum(1 for p in procs if isinstance(p, dict) and p.get("role") == "nats")
+    return nodes if nodes > 1 else None
 
 
 def _write_context(rack: subscribers.Rack, identity: identities.Identity) -> Path:

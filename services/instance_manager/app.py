@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ class App:
     that the broker took, up to CHARGE_RESEND_MAX."""
     listening_since: float = field(default_factory=time.monotonic)
     """When this process began to read the sleds' inventories (monotonic clock)."""
+    inventory_applied_at: float = -math.inf
+    """When this process last applied a sled's inventory (monotonic clock): see `hears_sleds`."""
     send_v1: bool = field(default_factory=event_v1)
     """Whether instance events go out as v1 too (RACKPLANE_EVENT_V1): read once, so a bad value stops the
     process at start."""
@@ -117,8 +120,12 @@ class App:
         """Whether a sled's silence means anything here yet. A sled is last seen when this service applies
         its inventory, so right after a start (a restart, a crash) every sled looks as silent as this
         process was away, until the inventories sent meanwhile are read: silence counts only once the
-        process has been listening for the whole window."""
-        return time.monotonic() - self.listening_since >= sled_unknown_after()
+        process has been listening for the whole window. Likewise while it applies no inventory at all
+        for a whole window: then the silence is its own (a burst of starts holding the connections and
+        the cores the inventories wait for), or the whole rack's, and a start waits for the sleds' word
+        rather than fail on a silence it cannot tell from its own backlog."""
+        now, window = time.monotonic(), sled_unknown_after()
+        return now - self.listening_since >= window and now - self.inventory_applied_at < window
 
     # --- events ---
 
@@ -218,7 +225,13 @@ class App:
                     await self._listen(conn)
                 finally:
                     conn.terminate()
-            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            except (
+                OSError,
+                TimeoutError,
+                asyncpg.PostgresError,
+                asyncpg.InterfaceError,
+                asyncpg.InternalClientError,
+            ) as e:
                 log.info("not listening for charge outcomes: %s", e)
             if time.monotonic() - began > 30:
                 retry = 0.2  # it held for a while: this loss is news, not a connection that keeps failing

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -58,6 +60,10 @@ NAMES_SHOWN = 5
 """Most project names a refused `silo delete` lists (it says how many there are in all)."""
 LOST_ORDERS_TOGETHER = 64
 """Most lost orders applied in one transaction (each names up to LOST_BATCH VMMs of one sled)."""
+BEGINS_AT_ONCE = 6
+"""Creates, starts and migrations holding one of the service's 10 connections at once: a burst of them
+never takes the connections the inventories, reports and charge outcomes are applied with (a sled whose
+inventory waited behind a burst looked silent, and a start placed on it failed)."""
 
 
 class Commands:
@@ -69,6 +75,10 @@ class Commands:
         s = settings()
         self.limiter = limits.Limiter(s.identity_command_rate, s.silo_command_rate, s.command_burst)
         self._rates_task: asyncio.Task[None] | None = None
+        self.starting = 0
+        self._begins = asyncio.Semaphore(BEGINS_AT_ONCE)
+        """Creates, starts and migrations not yet launched (waiting for a connection, or in `begin`):
+        in hand as much as the sagas being driven, and counted with them by the backpressure."""
 
     async def serve(self) -> None:
         nc = self.app.nc
@@ -309,6 +319,29 @@ class Commands:
             raise bus.NotFound(f"no instance {ref.silo}/{ref.project}/{ref.name}")
         return r["id"]
 
+    @contextlib.asynccontextmanager
+    async def _beginning(self, refuse_busy: bool = True) -> AsyncIterator[asyncpg.Connection]:
+        """A connection for a create, start or migrate, the command counted in hand (`starting`) until it
+        gives the connection back: waiting for a connection is where a flood of starts piles up.
+
+        Backpressure: when this replica has more sagas in hand than it finishes within
+        RACKPLANE_SAGA_BACKLOG (saga.Executor.busy), the command is refused at once, having done nothing,
+        with `busy: retry after N ms` instead of being left to time out. Checked here, as each handler
+        starts in arrival order, and not in `admit`: a burst is admitted whole before any handler runs,
+        so only here is the count of those ahead exact."""
+        if refuse_busy and (busy := self.app.sagas.busy(self.starting)):
+            ms, in_hand, rate = busy
+            telemetry.count("commands.busy")
+            raise bus.CommandError(
+                "busy", f"busy: retry after {ms} ms ({in_hand} sagas in hand, {rate:.0f} finished a second)"
+            )
+        self.starting += 1
+        try:
+            async with self._begins, self.app.pool.acquire() as conn:
+                yield conn
+        finally:
+            self.starting -= 1
+
     async def _await_saga(self, saga_id: uuid.UUID, instance_id: uuid.UUID, verb: str) -> dict[str, Any]:
         """Answer once the saga ends (or after SAGA_REPLY_WAIT, with the instance as it is by then)."""
         task = self.app.sagas.launch(saga_id, waited_for=True)
@@ -337,15 +370,15 @@ class Commands:
             update={"vcpus": vcpus, "ram_bytes": ram, "disk_bytes": disk, "from_pool": None}
         )
         await self._create(shaped)
-        started = await self.instance_start(
-            InstanceStart(silo=body.silo, project=body.project, name=body.name), msg
+        started = await self._start(  # not refused busy: the create it follows is done
+            InstanceStart(silo=body.silo, project=body.project, name=body.name), refuse_busy=False
         )
         note = f"pool {body.from_pool} had no idle VM: created and started a new instance"
         return {**started, "source": "new", "note": note}
 
     async def _create(self, body: InstanceCreate) -> dict[str, Any]:
         instance_id = uuid.uuid4()
-        async with self.app.pool.acquire() as conn, conn.transaction():
+        async with self._beginning() as conn, conn.transaction():
             silo = await conn.fetchrow(Q["silo_lock_limits"], body.silo)  # creates of a silo take turns
             project = await conn.fetchrow(Q["project_by_name"], body.silo, body.project)
             if silo is None or project is None:
@@ -363,7 +396,10 @@ class Commands:
         return await self._await_saga(saga_id, instance_id, "create")
 
     async def instance_start(self, body: InstanceStart, msg: Msg) -> dict[str, Any]:
-        async with self.app.pool.acquire() as conn:
+        return await self._start(body)
+
+    async def _start(self, body: InstanceStart, *, refuse_busy: bool = True) -> dict[str, Any]:
+        async with self._beginning(refuse_busy) as conn:
             try:
                 async with conn.transaction():
                     instance_id = await self._instance_id(conn, body)
@@ -380,7 +416,7 @@ class Commands:
         return instance_reply(v)
 
     async def instance_migrate(self, body: InstanceMigrate, msg: Msg) -> dict[str, Any]:
-        async with self.app.pool.acquire() as conn, conn.transaction():
+        async with self._beginning() as conn, conn.transaction():
             instance_id = await self._instance_id(conn, body)
             params = {"instance_id": str(instance_id), "to_sled": body.to_sled}
             saga_id = await self.app.sagas.begin(conn, MIGRATE, params)

@@ -18,6 +18,10 @@ Guarantees:
   a process, the rest wait their turn before their second step; a user's command never waits behind
   them. A begun saga is a promise to its instance, better kept in turn than all of them late
   (docs/architecture.md, "Sagas take turns"). Saga steps have connections of their own.
+- The sagas callers wait for are counted in hand (`active`), and every saga's end in the pace (`Pace`):
+  `busy` says when a replica has more than it finishes in RACKPLANE_SAGA_BACKLOG seconds, so that a new
+  one is refused at once rather than left to time out (docs/architecture.md, "Backpressure instead of
+  timeouts").
 - After a crash, `resume` picks up every unfinished saga. A saga runs in one process at a time, under
   a lease kept in its row (`lease_owner`, `lease_until`), not under anything a connection holds: the
   lease is taken only when free or expired, renewed while the process runs (one statement for all its
@@ -30,9 +34,12 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
+import math
 import os
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -61,6 +68,42 @@ AT_ONCE = 256
 """Sagas nobody waits for that run at once in one process. A start spends most of its time waiting (its
 charge goes through accounting and back), so sagas done a second is about AT_ONCE over one saga's time:
 64 held the restarts after a rack-wide power loss to 22 a second where fresh starts ran at 39."""
+
+
+BUSY_PRIOR_RATE = 25.0
+"""Sagas a second a replica is taken to finish until it has measured more (the bench measures 40 to 96 on
+two shared cores): a replica that has just started, or was idle, takes this times RACKPLANE_SAGA_BACKLOG
+sagas in hand before it has a rate of its own to judge by."""
+BUSY_RETRY_LEAST = 0.02
+"""The shortest wait a `busy` answer asks for, in seconds."""
+
+
+@dataclass
+class Pace:
+    """Sagas finished a second, counted in one-second buckets over the last WINDOW seconds: what the
+    backpressure divides the backlog by. A few integer operations a saga and a command, no I/O."""
+
+    WINDOW = 5
+    counts: list[int] = field(default_factory=lambda: [0] * Pace.WINDOW)
+    seconds: list[int] = field(default_factory=lambda: [-1] * Pace.WINDOW)
+
+    def tick(self, now: float) -> None:
+        s = int(now)
+        i = s % self.WINDOW
+        if self.seconds[i] != s:
+            self.seconds[i], self.counts[i] = s, 0
+        self.counts[i] += 1
+
+    def rate(self, now: float) -> float:
+        """Finished a second since the oldest bucket still in the window began (at least one second):
+        a burst's first seconds are measured over what they took, not over the whole window."""
+        s = int(now)
+        live = [
+            (sec, c) for sec, c in zip(self.seconds, self.counts, strict=True) if 0 <= s - sec < self.WINDOW
+        ]
+        if not live:
+            return 0.0
+        return sum(c for _, c in live) / max(1.0, now - min(sec for sec, _ in live))
 
 
 class LeaseLost(Exception):
@@ -131,6 +174,13 @@ class Executor:
     """This process's name on the leases it holds and the steps it logs: unique to the process."""
     _running: dict[uuid.UUID, asyncio.Task[str]] = field(default_factory=dict)
     _turns: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AT_ONCE))
+    active: int = 0
+    """Sagas a caller waits for (a user's create, start or migration) being driven now: what the
+    backpressure counts. Those nobody waits for are bounded by AT_ONCE and never delay a user's."""
+    pace: Pace = field(default_factory=Pace)
+    backlog: float = field(default_factory=lambda: settings().saga_backlog)
+    _promised: list[float] = field(default_factory=list)
+    """When the callers told `busy` were told to come back (monotonic, sorted; past ones forgotten)."""
 
     def register(self, saga: Saga) -> None:
         self.kinds[saga.kind] = saga
@@ -163,7 +213,7 @@ class Executor:
         caller is waiting for (a user's command) runs at once; the others take turns."""
         task = self._running.get(saga_id)
         if task is None:
-            task = asyncio.create_task(self._run_now(saga_id) if waited_for else self._run(saga_id))
+            task = asyncio.create_task(self._run_waited(saga_id) if waited_for else self._run(saga_id))
             self._running[saga_id] = task
             task.add_done_callback(lambda _: self._running.pop(saga_id, None))
         return task
@@ -230,7 +280,42 @@ class Executor:
         async with self._turns:
             return await self._run_now(saga_id)
 
+    def busy(self, starting: int = 0) -> tuple[int, int, float] | None:
+        """Backpressure: None while the sagas in hand (those callers wait for, plus `starting`: commands
+        about to begin one) are fewer than this replica finishes (of every kind) in
+        RACKPLANE_SAGA_BACKLOG seconds at its measured rate; else (milliseconds until they would be, sagas
+        in hand, rate)."""
+        in_hand = self.active + starting
+        now = time.monotonic()
+        rate = max(self.pace.rate(now), BUSY_PRIOR_RATE)
+        excess = in_hand - rate * self.backlog
+        if excess < 0:
+            return None
+        # Callers told to come back before this one are ahead of it: each is told its place in that line
+        # (the excess and those ahead drained at the rate), so that they come back spread out, in turn,
+        # instead of all at once to be refused again.
+        del self._promised[: bisect.bisect_right(self._promised, now)]
+        ahead = len(self._promised)
+        wait = min(max((excess + ahead + 1) / rate, BUSY_RETRY_LEAST), self.backlog)
+        bisect.insort(self._promised, now + wait)
+        return math.ceil(wait * 1000), in_hand, rate
+
+    async def _run_waited(self, saga_id: uuid.UUID) -> str:
+        """A saga a caller waits for, counted in hand (`active`) while it runs."""
+        self.active += 1
+        try:
+            return await self._run_now(saga_id)
+        finally:
+            self.active -= 1
+
     async def _run_now(self, saga_id: uuid.UUID) -> str:
+        """Drive the saga (`_take_and_drive`), counted in the pace once it is over."""
+        status = await self._take_and_drive(saga_id)
+        if status in ("done", "failed"):
+            self.pace.tick(time.monotonic())
+        return status
+
+    async def _take_and_drive(self, saga_id: uuid.UUID) -> str:
         """Take the saga's lease and drive it: "busy" if another process holds the lease, "lost" if
         another took it while this one ran (it goes on there), else the saga's final status."""
         tries = 0
@@ -243,7 +328,7 @@ class Executor:
                 if lease is None or not lease["ours_or_free"] or tries > 10:
                     return "busy"  # another process runs it, or it is over
                 # Ours or free, and its row locked a moment (a renewal): take it once that is over.
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError) as e:
                 log.info("saga %s: cannot take its lease yet (%s)", saga_id, e)
             await asyncio.sleep(self.retry_delay)
         try:
@@ -260,7 +345,12 @@ class Executor:
             if row is None:
                 try:
                     row = await self._load(saga_id)
-                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+                except (
+                    OSError,
+                    asyncpg.PostgresError,
+                    asyncpg.InterfaceError,
+                    asyncpg.InternalClientError,
+                ) as e:
                     log.info("saga %s: cannot read its progress yet (%s)", saga_id, e)
                     await asyncio.sleep(self.retry_delay)
                     continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import asyncpg
 
@@ -56,6 +57,8 @@ async def apply_inventories(app: App, batch: list[bus.Delivery]) -> None:
                 if r["id"] not in before or before[r["id"]] < r["boot_number"]
             },
         )
+    if applied:
+        app.inventory_applied_at = time.monotonic()  # App.hears_sleds: this process hears sleds
     telemetry.count("inventories.applied", len(applied))
     telemetry.count("inventories.stale", len(batch) - len(applied))
 

@@ -1,0 +1,107 @@
+"""Backpressure instead of timeouts (issue 33): an instance-manager with more sagas in hand than it finishes
+within RACKPLANE_SAGA_BACKLOG answers a new start at once with `busy: retry after N ms`, having done
+nothing; rackctl waits that long (with jitter), says so once on stderr, and succeeds once there is room.
+
+The backlog is made on purpose: a tiny RACKPLANE_SAGA_BACKLOG (0.1 s: room for 3 sagas before this replica
+has a rate of its own) and accounting stopped, so that the starts sent wait for their charges, in hand."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from rackctl.client import Client
+from services.instance_manager.saga import Executor
+from shared import bus, subjects
+from shared.messages import InstanceStart
+from tests.conftest import GiB, Rack, assert_invariants, counter, eventually, private_rack, restart_service
+from tests.test_cli import rackctl
+
+BUSY = re.compile(r"busy: retry after (\d+) ms \((\d+) sagas in hand, (\d+) finished a second\)")
+
+
+@pytest.fixture(scope="module")
+async def rack() -> AsyncIterator[Rack]:
+    async with private_rack("busy", timeout=60, RACKPLANE_SLEDS="2", RACKPLANE_SAGA_BACKLOG="0.1") as made:
+        yield made
+
+
+async def start_once(client: Client, silo: str, name: str) -> bus.CommandError | None:
+    """One start, sent once (no retry): the refusal, or None if it was taken."""
+    body = InstanceStart(silo=silo, project="p", name=name)
+    try:
+        await bus.request(
+            client.nc, subjects.command(silo, "instance", "start"), body, source="test", timeout=30
+        )
+    except bus.CommandError as e:
+        return e
+    return None
+
+
+async def test_busy_is_answered_at_once_and_the_cli_retries_to_success(rack: Rack) -> None:
+    stack, client, db = rack
+    silo = "busy"
+    await client.silo_create(silo)
+    await client.project_create(silo, "p")
+    for i in range(6):  # one at a time: a create is a saga too, and each finishes before the next
+        await client.instance_create(silo, "p", f"vm-{i}", vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+
+    stack.services["accounting"].stop()  # a start's charge now waits: its saga stays in hand
+    sent = {f"vm-{i}": asyncio.create_task(start_once(client, silo, f"vm-{i}")) for i in range(5)}
+    await asyncio.wait(sent.values(), timeout=2)  # a refusal comes at once; a start taken, in 10 s
+    refused = {n: t.result() for n, t in sent.items() if t.done()}  # the taken ones wait for accounting
+    held = {n: t for n, t in sent.items() if not t.done()}
+    assert refused and len(held) >= 2, (refused, held)
+    for e in refused.values():
+        assert e is not None and e.code == "busy", e
+        m = BUSY.fullmatch(e.message)
+        assert m, e.message
+        assert 0 < int(m[1]) <= 1000 and int(m[2]) >= len(held), e.message
+
+    busy_before = await counter(client, "instance-manager", "commands.busy")
+    again = min(refused)
+    cli = asyncio.create_task(rackctl(stack, "instance", "start", f"{silo}/p/{again}", "--timeout", "60"))
+
+    async def cli_told_busy() -> bool:
+        return await counter(client, "instance-manager", "commands.busy") > busy_before
+
+    await eventually(cli_told_busy)
+    assert not cli.done()  # still retrying, not failed
+    restart_service(stack, "accounting")  # the charges go through, the sagas finish, room is made
+
+    run = await cli
+    assert run.code == 0, run
+    lines = run.err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"instance-manager busy: retrying in \d+ ms", lines[0]), lines
+    assert [await t for t in held.values()] == [None] * len(held)  # taken: answered once their sagas ended
+
+    started = [*held, again]
+    running = "SELECT count(*) FROM instance_manager.instances WHERE name = any($1) AND state = 'running'"
+
+    async def all_running() -> bool:
+        return await db.fetchval(running, started) == len(started)
+
+    await eventually(all_running, timeout=20)
+    hurt = "SELECT count(*) FROM instance_manager.instances WHERE failed_at IS NOT NULL OR last_error > ''"
+    assert await db.fetchval(hurt) == 0
+    await assert_invariants(db)
+
+
+def test_busy_is_the_backlog_over_the_measured_rate() -> None:
+    """The rule's arithmetic: in hand past RACKPLANE_SAGA_BACKLOG seconds of the rate (25 a second until
+    more is measured) is busy, for as long as the excess takes to drain."""
+    sagas = Executor(app=None, dsn="", backlog=2.0)
+    assert sagas.busy() is None
+    sagas.active = 49  # 50 would be 2 s at 25 a second
+    assert sagas.busy() is None
+    assert sagas.busy(starting=1) == (40, 50, 25.0)  # one past: 1/25 s
+    now = time.monotonic()
+    for _ in range(400):
+        sagas.pace.tick(now)
+    ms, in_hand, rate = sagas.busy(starting=800 - 49) or (0, 0, 0.0)
+    assert in_hand == 800 and rate >= 200 and 0 < ms <= 2000, (ms, in_hand, rate)
+    assert sagas.busy(starting=10) is None  # 400 finished in the last second: room for 800
