@@ -242,7 +242,7 @@ def subscriber_grants(name: str, silo: str | None) -> Grants:
             f"{api}.MSG.NEXT.{stream}.*",
             f"$JS.ACK.{stream}.>",
         ),
-        publish_deny=(f"{subjects.SUBSCRIBERS_API}.>",),
+        publish_deny=(f"{subjects.SUBSCRIBERS_API}.>", f"$JS.FC.{subjects.EVENTS_STREAM}.>"),
     )
 
 
@@ -252,7 +252,7 @@ def subscriber_streams_admin(names: Iterable[str]) -> Grants:
     filter, a subscriber's scope, is fixed when it is made. Sourcing from EVENTS is the broker's, for the
     account: this identity may not send on rackplane's API (`subjects.SUBSCRIBERS_API`) either."""
     return Grants(
-        publish_deny=(f"{subjects.SUBSCRIBERS_API}.>",),
+        publish_deny=(f"{subjects.SUBSCRIBERS_API}.>", f"$JS.FC.{subjects.EVENTS_STREAM}.>"),
         publish=(
             JS_INFO,
             *(
@@ -529,7 +529,9 @@ class Store:
     def config(self) -> str:
         """The `accounts` block: rackplane's account and the subscribers', each with JetStream and its
         users. Rackplane's exports to the subscribers' only what sourcing EVENTS takes: creating a consumer
-        on EVENTS (a service no subscriber may call: `subscriber_grants`) and the subjects it delivers on."""
+        on EVENTS and answering its flow control (services no subscriber may call: `subscriber_grants`), and
+        the subjects it delivers on. Without the flow-control replies the copies stop after a few
+        megabytes, the consumer waiting for an answer that never crosses."""
 
         def users(account: str) -> str:
             return "".join(
@@ -541,14 +543,17 @@ class Store:
         create = f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.>"
         deliver = subjects.subscriber_delivery(">")
         api = subjects.SUBSCRIBERS_API
+        flow = f"$JS.FC.{subjects.EVENTS_STREAM}.>"
         return (
             "# Written by deploy/identities.py from identities.json: do not edit (regenerate instead).\n"
             f"accounts {{\n  {ACCOUNT} {{\n    jetstream: enabled\n    users: [\n{users(ACCOUNT)}    ]\n"
             f"    exports: [\n      {{service: {json.dumps(create)}, accounts: [{SUBSCRIBERS}]}}\n"
+            f"      {{service: {json.dumps(flow)}, accounts: [{SUBSCRIBERS}]}}\n"
             f"      {{stream: {json.dumps(deliver)}, accounts: [{SUBSCRIBERS}]}}\n    ]\n  }}\n"
             f"  {SUBSCRIBERS} {{\n    jetstream: enabled\n    users: [\n{users(SUBSCRIBERS)}    ]\n"
             f"    imports: [\n      {{service: {{account: {ACCOUNT}, subject: {json.dumps(create)}}}, "
             f"to: {json.dumps(create.replace('$JS.API', api, 1))}}}\n"
+            f"      {{service: {{account: {ACCOUNT}, subject: {json.dumps(flow)}}}}}\n"
             f"      {{stream: {{account: {ACCOUNT}, subject: {json.dumps(deliver)}}}}}\n    ]\n  }}\n}}\n"
         )
 

@@ -16,7 +16,10 @@ import pytest
 
 UNREACHABLE = re.compile(
     r"ENOTFOUND|EAI_AGAIN|ECONNREFUSED|ECONNRESET|ETIMEDOUT|ENETUNREACH|EHOSTUNREACH|network|FetchError"
+    r"|code E[45]\d\d|UNABLE_TO_GET_ISSUER_CERT|SELF_SIGNED_CERT|CERT_HAS_EXPIRED"
 )
+"""What npm says when the registry is out of reach or refuses (a proxy's 403, a registry's 5xx, a TLS
+interception): the test is skipped with it; any other failure of `npm ci` fails the test."""
 
 
 def _installed(folder: Path) -> bool:
@@ -57,6 +60,6 @@ def npm_ci(folder: Path, what: str) -> str:
         except subprocess.TimeoutExpired:
             pytest.skip(f"npm ci for {what} timed out: is the npm registry reachable?")
     if r.returncode != 0 and (offline := UNREACHABLE.search(r.stderr)):
-        pytest.skip(f"the npm registry cannot be reached for {what}: {offline.group(0)}")
+        pytest.skip(f"the npm registry cannot be reached (or refused) for {what}: {offline.group(0)}")
     assert r.returncode == 0, r.stderr
     return node

@@ -349,6 +349,33 @@ async def test_stream_admin_cannot_delete_a_consumer_or_read_orders(
             await nc.close()
 
 
+async def test_a_subscribers_stream_keeps_up_past_the_first_megabytes(
+    bare: tuple[Nats, BrokerSecurity],
+) -> None:
+    """Sourcing across the accounts is flow-controlled: the copies stop after a few megabytes unless the
+    flow-control replies reach rackplane's account. 6 MB of events all reach the events reader's stream."""
+    server, security = bare
+    im = await _as(server, security, "instance-manager")
+    reader = await _as(server, security, identities.EVENTS_READER)
+    try:
+        own = subjects.subscriber_stream(identities.EVENTS_READER)
+        rjs = reader.jetstream(timeout=5)
+        before = (await rjs.stream_info(own)).state.messages
+        js, body, n = im.jetstream(), b"x" * 2048, 3000
+        for _batch in range(n // 100):
+            await asyncio.gather(
+                *(js.publish(subjects.event("acme", "instance", "changed"), body) for _ in range(100))
+            )
+
+        async def caught_up() -> bool:
+            return (await rjs.stream_info(own)).state.messages >= before + n
+
+        await eventually(caught_up, timeout=30)
+    finally:
+        for nc in (im, reader):
+            await nc.close()
+
+
 async def test_a_subscribers_push_consumer_delivers_nowhere_in_rackplane(
     bare: tuple[Nats, BrokerSecurity],
 ) -> None:

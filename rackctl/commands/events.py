@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import re
+import sys
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -71,7 +72,7 @@ def _start(config: api.ConsumerConfig, at: StartAt) -> None:
 
 
 async def _consumer(
-    js: JetStreamContext, stream: str, filter_subject: str, at: StartAt, durable: str | None
+    js: JetStreamContext, stream: str, filter_subject: str, at: StartAt, durable: str | None, first: bool
 ) -> JetStreamContext.PullSubscription:
     """A reader's consumer: a durable of that name, bound if it exists (it resumes where it acked), else
     made starting at `at`; or a fresh one that only watches, and goes away once nobody pulls."""
@@ -80,6 +81,8 @@ async def _consumer(
             await bus.unless_denied(
                 js._nc, f"$JS.API.CONSUMER.INFO.{stream}.{durable}", js.consumer_info(stream, durable)
             )
+            if at is not None and first:  # asked for a start it will not get
+                print(f"durable {durable} exists: it resumes where it acked, not at --from", file=sys.stderr)
             return await js.pull_subscribe_bind(consumer=durable, stream=stream)
     name = durable or f"follow-{uuid.uuid4().hex[:16]}"
     config = api.ConsumerConfig(name=name, filter_subject=filter_subject)
@@ -111,9 +114,8 @@ async def follow(
     first = True
     while True:
         try:
-            sub = await _consumer(
-                js, stream, filter_subject, next_seq if next_seq is not None else since, durable
-            )
+            at = next_seq if next_seq is not None else since
+            sub = await _consumer(js, stream, filter_subject, at, durable, first)
         except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError):
             if first:
                 raise

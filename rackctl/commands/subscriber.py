@@ -73,6 +73,17 @@ def _replicas(manifest: Path) -> int | None:
     return nodes if nodes > 1 else None
 
 
+def _context_identity(name: str) -> str | None:
+    """Whose context `contexts/<name>.json` is (`default` is the operator's own), or None if there is none."""
+    path = contexts.path_of(name)
+    if name == contexts.DEFAULT:
+        return "the operator's default context"
+    try:
+        return str(json.loads(path.read_text()).get("identity") or path)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _write_context(rack: subscribers.Rack, identity: identities.Identity) -> Path:
     return contexts.write(
         identity.name,
@@ -112,6 +123,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     ),
 )
 async def subscriber_add(ctx: Ctx) -> None:
+    if (other := _context_identity(ctx.args.name)) not in (None, ctx.args.name):
+        raise Failure(
+            f"a context named {ctx.args.name!r} already exists, for {other}: pick another subscriber name"
+        )
     rack = _rack(ctx)
     identity = await _run(subscribers.add(rack, ctx.args.name, ctx.args.silo))
     path = _write_context(rack, identity)
@@ -192,5 +207,6 @@ async def subscriber_remove(ctx: Ctx) -> None:
         )
     rack = _rack(ctx)
     await _run(subscribers.remove(rack, ctx.args.name))
-    contexts.path_of(ctx.args.name).unlink(missing_ok=True)
+    if _context_identity(ctx.args.name) == ctx.args.name:  # the subscriber's own, not another's
+        contexts.path_of(ctx.args.name).unlink()
     ctx.emit({"name": ctx.args.name}, lambda d: print(f"removed subscriber {d['name']}"))
