@@ -36,9 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import asyncpg
-
-from deploy.stack import PG_USER, _hand_to_postgres, end, free_port, pg_binary, run_sync
+from deploy.stack import PG_USER, _hand_to_postgres, create_database, end, free_port, pg_binary, run_sync
 
 TTL = 20
 """Seconds a leader's lock lives without renewal: the longest a dead primary holds the cluster."""
@@ -194,7 +192,7 @@ class PatroniCluster:
                 if i == 0 and new:  # the first bootstraps (initdb); the others copy it (pg_basebackup)
                     self._wait(lambda: self.primary() == 0, timeout, "the first Patroni node as leader")
             self.wait_standby(timeout=timeout)
-            run_sync(self._create_database())
+            run_sync(create_database(self._url("postgres"), self.database))
         except BaseException:
             self.stop()
             raise
@@ -487,11 +485,3 @@ class PatroniCluster:
         with os.fdopen(fd, "w") as f:
             json.dump(config, f, indent=2)
         _hand_to_postgres(node.config)
-
-    async def _create_database(self) -> None:
-        conn = await asyncpg.connect(self._url("postgres"))
-        try:
-            if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", self.database):
-                await conn.execute(f'CREATE DATABASE "{self.database}"')
-        finally:
-            await conn.close()

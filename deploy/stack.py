@@ -146,6 +146,16 @@ def end(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout
         proc.wait()
 
 
+async def create_database(maintenance_url: str, database: str) -> None:
+    """Create `database`, unless it exists, through a connection to the `postgres` database."""
+    conn = await asyncpg.connect(maintenance_url)
+    try:
+        if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database):
+            await conn.execute(f'CREATE DATABASE "{database}"')
+    finally:
+        await conn.close()
+
+
 def nats_server_binary() -> str:
     found = shutil.which("nats-server", path=sysconfig.get_path("scripts")) or shutil.which("nats-server")
     if found is None:
@@ -303,7 +313,7 @@ class Postgres:
                 else ""
             )
             raise RuntimeError(f"postgres did not start: {e.stderr.decode()}\n{log}") from e
-        run_sync(self._create_database())
+        run_sync(create_database(self._url("postgres"), self.database))
         return self
 
     def _initdb(self, data: Path) -> None:
@@ -340,14 +350,6 @@ class Postgres:
                 os.rename(scratch / "data", template)
             shutil.rmtree(scratch, ignore_errors=True)
         self._run("cp", "-a", str(template), str(self.data))
-
-    async def _create_database(self) -> None:
-        conn = await asyncpg.connect(self._url("postgres"))
-        try:
-            if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", self.database):
-                await conn.execute(f'CREATE DATABASE "{self.database}"')
-        finally:
-            await conn.close()
 
     def stop(self, mode: str = "fast") -> None:
         if (self.data / "postmaster.pid").exists():
