@@ -3,6 +3,7 @@ on Ctrl-C (SIGINT), leaving no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,28 +15,50 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.stack import ROOT, SERVICES, free_port
 
 
-def test_make_run_starts_and_stops_the_stack() -> None:
+@dataclass
+class MadeRun:
+    """A `make run` underway: its home, the environment a CLI is run in, what it printed on the way up."""
+
+    home: Path
+    env: dict[str, str]
+    output: str
+
+    def rackctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "rackctl.main", *args]
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
+
+    def sleds(self) -> list[dict[str, object]]:
+        out = self.rackctl("sled", "list", "--json")
+        assert out.returncode == 0, out.stderr
+        return list(json.loads(out.stdout))
+
+
+@contextlib.contextmanager
+def make_run(*make_args: str, up_within: float = 60) -> Iterator[MadeRun]:
+    """`make run` (with `make_args`, e.g. HA=1) in a home of its own, as a user runs it: no URL and no
+    credential given, so rackctl finds its default context; stopped by Ctrl-C (SIGINT) at the end, which
+    must stop it cleanly and leave no process behind."""
     home = Path(tempfile.mkdtemp(prefix="rackplane-make-run-"))
     os.chmod(home, 0o755)
-    nats_port, pg_port = free_port(), free_port()
     env = {
         **os.environ,
         "RACKPLANE_HOME": str(home),
-        "RACKPLANE_NATS_PORT": str(nats_port),
-        "RACKPLANE_PG_PORT": str(pg_port),
+        "RACKPLANE_NATS_PORT": str(free_port()),
+        "RACKPLANE_PG_PORT": str(free_port()),
         "RACKPLANE_INVENTORY_INTERVAL": "1",
         "RACKPLANE_HTTP_PORT_BASE": "0",  # free ports, not 9460...: another stack may hold those
     }
     for name in ("NATS_URL", "DATABASE_URL", "RACKCTL_CONTEXT", "RACKPLANE_IDENTITIES"):
         env.pop(name, None)  # make run makes its own identities, and rackctl finds its default context
     proc = subprocess.Popen(
-        ["make", "-s", "run"],
+        ["make", "-s", "run", *make_args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -45,7 +68,7 @@ def test_make_run_starts_and_stops_the_stack() -> None:
     )
     try:
         lines = []
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + up_within
         assert proc.stdout is not None
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
@@ -54,29 +77,32 @@ def test_make_run_starts_and_stops_the_stack() -> None:
                 break
         output = "".join(lines)
         assert "rackplane is running" in output, output
-        assert f"nats://127.0.0.1:{nats_port}" in output
-        assert f"127.0.0.1:{pg_port}" in output
+        made = MadeRun(home, env, output)
+        deadline = time.monotonic() + 30
+        while len(made.sleds()) < 8 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(made.sleds()) == 8
+        yield made
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    # make reports the interrupt itself (-SIGINT); the stack underneath must have stopped cleanly.
+    assert proc.returncode in (0, -signal.SIGINT), rest
+    assert "stopped." in rest
+    leftovers = subprocess.run(["pgrep", "-f", str(home)], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], f"processes left behind: {leftovers}"
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def test_make_run_starts_and_stops_the_stack() -> None:
+    with make_run() as run:
+        home, env, output = run.home, run.env, run.output
+        assert f"nats://127.0.0.1:{env['RACKPLANE_NATS_PORT']}" in output
+        assert f"127.0.0.1:{env['RACKPLANE_PG_PORT']}" in output
 
         assert (home / "contexts" / "default.json").exists()
         for name in ("dlq-admin", "events-reader"):  # the identities an operator picks by name
             assert json.loads((home / "contexts" / f"{name}.json").read_text())["identity"] == name
-        cli_env = env  # no URL, no credential: the default context has both
-
-        def sleds() -> list[dict[str, object]]:
-            out = subprocess.run(
-                [sys.executable, "-m", "rackctl.main", "sled", "list", "--json"],
-                env=cli_env,
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            assert out.returncode == 0, out.stderr
-            return json.loads(out.stdout)
-
-        deadline = time.monotonic() + 20
-        while len(sleds()) < 8 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert len(sleds()) == 8
 
         # each service's metrics and health endpoint, where the stack printed and recorded it
         ports = json.loads((home / "http-ports.json").read_text())
@@ -86,10 +112,7 @@ def test_make_run_starts_and_stops_the_stack() -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
                 assert r.status == 200, name
 
-        def rackctl(*args: str) -> subprocess.CompletedProcess[str]:
-            cmd = [sys.executable, "-m", "rackctl.main", *args]
-            return subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=30)
-
+        rackctl = run.rackctl
         assert (
             rackctl("sim", "sled", "list").returncode == 0
         )  # the default context includes simulator control
@@ -107,15 +130,6 @@ def test_make_run_starts_and_stops_the_stack() -> None:
         assert check.returncode == 0 and "every invariant holds" in check.stdout, check
 
         walk_the_readme(rackctl)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
-    # make reports the interrupt itself (-SIGINT); the stack underneath must have stopped cleanly.
-    assert proc.returncode in (0, -signal.SIGINT), rest
-    assert "stopped." in rest
-    leftovers = subprocess.run(["pgrep", "-f", str(home)], capture_output=True, text=True).stdout.split()
-    assert leftovers == [], f"processes left behind: {leftovers}"
-    shutil.rmtree(home, ignore_errors=True)
 
 
 def readme_commands() -> list[tuple[list[str], str]]:
