@@ -108,6 +108,8 @@ class NatsCluster:
             f"listen: 127.0.0.1:{node.port}\nserver_name: {node.name}\n"
             f"pid_file: {json.dumps(str(node.pid_file))}\n"
             f"http: 127.0.0.1:{node.http_port}\n"
+            # `--signal ldm` (a graceful stop): clients moved off over 30 s (its least), not 2 min
+            "lame_duck_grace_period: 1s\nlame_duck_duration: 30s\n"
             f"jetstream {{\n  store_dir: {json.dumps(str(node.dir / 'jetstream'))}\n}}\n"
             f"cluster {{\n  name: {CLUSTER_NAME}\n  listen: 127.0.0.1:{node.cluster_port}\n"
             f"  routes: [\n{routes}  ]\n}}\n{include}"

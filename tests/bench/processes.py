@@ -17,13 +17,18 @@ def processes(stack: Stack) -> dict[str, list[int]]:
     """Every process of the stack by name: each service process (replicas by their own key),
     nats-server, postgres (the postmaster and all its backends), and this benchmark's own ("client")."""
     out = {name: [svc.proc.pid] for name, svc in stack.services.items() if svc.proc}
-    if stack.nats and stack.nats.proc:
-        out["nats-server"] = [stack.nats.proc.pid]
-    if stack.postgres:
-        master = int((stack.postgres.data / "postmaster.pid").read_text().split()[0])
-        out["postgres"] = [master] + [
-            int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == master
-        ]
+    nats = getattr(stack.nats, "nodes", [stack.nats])  # the HA stack's: three nodes
+    out["nats-server"] = [n.proc.pid for n in nats if n is not None and n.proc]
+    pg = getattr(stack.postgres, "members", [stack.postgres])  # the HA stack's: two, under Patroni
+    for data in [node.data for node in pg if node is not None]:
+        master = int((data / "postmaster.pid").read_text().split()[0])
+        out.setdefault("postgres", []).extend(
+            [master]
+            + [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == master]
+        )
+    members = getattr(stack.postgres, "members", [])
+    if members:
+        out["patroni"] = [n.proc.pid for n in members if n.proc]
     out["client"] = [os.getpid()]
     return out
 

@@ -4,8 +4,12 @@ the same concurrency: `instance show`, the cheapest request that reaches instanc
 database.
 
     make bench        (or: .venv/bin/pytest -m bench -s tests/bench/test_start_bench.py)
+It runs twice, on the one-machine stack and then on `make run HA=1`'s (three nats-server nodes, every
+stream at three replicas, PostgreSQL under Patroni with a synchronous standby, two processes of each
+service), and the second run prints its figures as ratios to the first's: the price of replication.
 Environment: BENCH_STARTS (300, the size the issue measured; at 1,000 the rack does not settle today:
-docs/benchmarks.md says why), BENCH_CALLERS (32), BENCH_IM_REPLICAS (1: instance-manager processes).
+docs/benchmarks.md says why), BENCH_CALLERS (32), BENCH_IM_REPLICAS (1: instance-manager processes
+on the one-machine stack; the HA stack runs two).
 
 A start's reply comes once its saga has taken the interlock, charged the instance (accounting's outcome
 included), placed it and asked its sled; then the instance runs when the sled reports. Both are timed.
@@ -20,6 +24,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from deploy.patroni import installed
 from shared.messages import Quota
 from tests.bench import UNLIMITED
 from tests.bench.processes import cpu_split
@@ -33,8 +38,16 @@ CALLERS = int(os.environ.get("BENCH_CALLERS", "32"))
 REPLICAS = int(os.environ.get("BENCH_IM_REPLICAS", "1"))
 
 
-@pytest.fixture
-async def rack() -> AsyncIterator[Rack]:
+RESULTS: dict[str, dict[str, float]] = {}
+"""Each stack's figures, by kind ("one", "ha"), for the ratios of the second run to the first."""
+HA = {"RACKPLANE_HA": "1", "RACKPLANE_SLED_UNKNOWN_AFTER": "15", "RACKPLANE_TRANSITION_TIMEOUT": "30"}
+"""The HA stack, with the silence a broker's failover needs (tests/ha/test_broker_loss.py says why)."""
+
+
+@pytest.fixture(params=["one", "ha"])
+async def rack(request: pytest.FixtureRequest) -> AsyncIterator[Rack]:
+    if request.param == "ha" and (missing := installed()):
+        pytest.skip("; ".join(missing))
     env = {
         "RACKPLANE_SLEDS": "8",
         "RACKPLANE_SLED_SHAPES": "1024:2048",
@@ -42,14 +55,17 @@ async def rack() -> AsyncIterator[Rack]:
         "RACKPLANE_LOG": "WARNING",
         "RACKPLANE_TRACES": "none",
     }
+    if request.param == "ha":
+        env |= HA
     async with private_rack("startbench", timeout=120, **UNLIMITED, **env) as made:
-        for k in range(2, REPLICAS + 1):
+        for k in range(2, REPLICAS + 1 if request.param == "one" else 0):  # HA: two already
             made[0].start_service("instance_manager", replica=f"instance-manager-{k}")
         yield made
 
 
-async def test_start_rate_and_reply_latency(rack: Rack) -> None:
+async def test_start_rate_and_reply_latency(rack: Rack, request: pytest.FixtureRequest) -> None:
     stack, client, db = rack
+    kind = request.node.callspec.params["rack"]
     await client.silo_create("bench", quota=Quota(vcpus=10**6, ram_bytes=10**15, disk_bytes=10**16))
     await client.project_create("bench", "p")
 
@@ -83,8 +99,22 @@ async def test_start_rate_and_reply_latency(rack: Rack) -> None:
     cpu_total = sum(cpu.values())
     per_start = (await db.fetchval(commits) - before) / STARTS
     p99 = statistics.quantiles(started, n=100)[98]
+    mine = RESULTS[kind] = {
+        "rate": STARTS / started_wall,
+        "p50": statistics.median(started),
+        "p99": p99,
+        "running": STARTS / running_wall,
+        "show p50": statistics.median(shown),
+        "cpu": cpu_total / STARTS,
+    }
+    if kind == "ha" and (one := RESULTS.get("one")):
+        print(
+            "\nPRICE OF REPLICATION (the HA stack's figure / the one-machine stack's, same run): "
+            + ", ".join(f"{k} {mine[k] / one[k]:.2f}x" for k in mine)
+        )
     print(
-        f"\nRESULT {STARTS} instances, {CALLERS} concurrent callers, VMM boot time 0\n"
+        f"\nRESULT ({'HA stack' if kind == 'ha' else 'one machine'}) {STARTS} instances, {CALLERS} "
+        f"concurrent callers, VMM boot time 0\n"
         f"{summary('create', made, made_wall)}\n"
         f"{summary('show (baseline)', shown, shown_wall)}\n"
         f"{summary('start', started, started_wall)}\n"
