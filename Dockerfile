@@ -45,7 +45,9 @@ RUN pip install ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} --no-deps .
 
 # The services need no privileges: they only open outgoing connections to NATS and PostgreSQL.
 # /identities is the mount point of compose's identities volume: a fresh volume takes its owner from it.
-RUN useradd --system --no-create-home --shell /usr/sbin/nologin rackplane \
+# A uid of its own (10001): the first system uid, 999, is the PostgreSQL images' `postgres`,
+# which owns the superuser's password file on the db-logins volume every service mounts.
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin rackplane \
     && mkdir /identities && chown rackplane /identities
 USER rackplane
 

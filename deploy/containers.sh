@@ -3,16 +3,18 @@
 #
 #   deploy/containers.sh engine   a Docker engine that answers: Debian's docker.io, docker-compose and
 #                                 debootstrap installed if missing, dockerd started if none runs
-#   deploy/containers.sh images   the base (made once, kept), then rackplane's three images (Docker's
+#   deploy/containers.sh images   the base (made once, kept), then rackplane's four images (Docker's
 #                                 layer cache makes a rebuild of unchanged ones quick)
 #
 # The base is a plain Debian bookworm made by `debootstrap --variant=minbase` and imported as
 # $RACKPLANE_BASE_IMAGE (rackplane-base:bookworm); rackplane's images are built on it with
-# `--build-arg BASE=...`: the services' (Dockerfile), nats-server (deploy/images/nats.Dockerfile) and
-# PostgreSQL 15 (deploy/images/postgres.Dockerfile). Inside a build, apt reaches Debian's packages and pip
-# the package index. With a registry, none of this is needed: docker-compose.yml's defaults are the public
-# images. Settings: RACKPLANE_BASE_IMAGE, RACKPLANE_DEBIAN_MIRROR, RACKPLANE_IMAGE, RACKPLANE_NATS_IMAGE,
-# RACKPLANE_POSTGRES_IMAGE (the tags), PYTHON (the host's Python 3.11 that fetches the wheels).
+# `--build-arg BASE=...`: the services' (Dockerfile), nats-server (deploy/images/nats.Dockerfile),
+# PostgreSQL 15 (deploy/images/postgres.Dockerfile), and PostgreSQL 15 under Patroni with etcd
+# (deploy/images/patroni.Dockerfile, for docker-compose.ha.yml). Inside a build, apt reaches Debian's
+# packages and pip the package index. With a registry, none but the last is needed: docker-compose.yml's
+# defaults are the public images. Settings: RACKPLANE_BASE_IMAGE, RACKPLANE_DEBIAN_MIRROR, RACKPLANE_IMAGE,
+# RACKPLANE_NATS_IMAGE, RACKPLANE_POSTGRES_IMAGE, RACKPLANE_PATRONI_IMAGE (the tags), PYTHON (the host's
+# Python 3.11 that fetches the wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -98,6 +100,7 @@ images() {
     build "${RACKPLANE_NATS_IMAGE:-rackplane-nats:local}" deploy/images/nats.Dockerfile deploy/images \
         --build-arg "NATS_SERVER_BIN=$NATS_SERVER_BIN"
     build "${RACKPLANE_POSTGRES_IMAGE:-rackplane-postgres:local}" deploy/images/postgres.Dockerfile deploy/images
+    build "${RACKPLANE_PATRONI_IMAGE:-rackplane-patroni:local}" deploy/images/patroni.Dockerfile deploy/images
 }
 
 case "${1:-}" in

@@ -13,6 +13,7 @@ import os
 import pwd
 import re
 import secrets
+import time
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
@@ -20,6 +21,7 @@ import asyncpg
 
 from shared.config import DB_LOGINS
 from shared.db import owner_role
+from shared.errors import transient
 from shared.migrate import SCHEMAS
 
 SQL = Path(__file__).parent / "sql"
@@ -150,8 +152,11 @@ def _compose(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m deploy.dbroles", description=__doc__)
     parser.add_argument("step", choices=["secrets", "apply"])
     parser.add_argument("--dir", type=Path, default=Path("/run/rackplane/db"))
-    parser.add_argument("--host", default="postgres")
+    parser.add_argument(
+        "--host", default="postgres", help="the server, or several comma-separated (Patroni's nodes)"
+    )
     parser.add_argument("--port", type=int, default=5432)
+    parser.add_argument("--wait", type=float, default=60, help="seconds to wait for a read-write server")
     parser.add_argument("--database", default="rackplane")
     parser.add_argument("--owner", default="rackplane", help="the user the services run as")
     a = parser.parse_args(argv)
@@ -160,10 +165,26 @@ def _compose(argv: list[str] | None = None) -> None:
         if not superuser.exists():
             write_secret(superuser, new_password(), PG_IMAGE_UID, 0o755)
         return
+    hosts = [h.strip() for h in a.host.split(",") if h.strip()]
+    # several nodes: one URL over all of them that lands on the one taking writes, as the services' does
+    query = "?target_session_attrs=read-write" if len(hosts) > 1 else ""
+    netloc = ",".join(f"{h}:{a.port}" for h in hosts)
     admin = with_login(
-        f"postgresql://{a.host}:{a.port}/{a.database}", "postgres", superuser.read_text().strip()
+        f"postgresql://{netloc}/{a.database}{query}", "postgres", superuser.read_text().strip()
     )
-    asyncio.run(provision(admin, a.dir, a.owner, keep=True))
+    deadline = time.monotonic() + a.wait
+    while True:  # a node that is not up yet, or none that takes writes yet (Patroni still electing one)
+        try:
+            asyncio.run(provision(admin, a.dir, a.owner, keep=True))
+            return
+        except Exception as e:
+            if not (transient(e) or isinstance(e, asyncpg.InvalidCatalogNameError)):
+                raise
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"deploy.dbroles: no read-write server on {netloc} after {a.wait:g}s: {e}"
+                ) from e
+            time.sleep(1)
 
 
 if __name__ == "__main__":

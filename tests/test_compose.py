@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import re
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,6 +229,15 @@ def test_dockerfile_installs_the_locked_project() -> None:
         assert pattern.rstrip("*") in copied, f"Dockerfile does not copy {pattern.rstrip('*')}/"
 
 
+def test_the_services_user_cannot_read_the_superusers_password() -> None:
+    """The superuser's password file on the db-logins volume, which every service mounts, is PostgreSQL's
+    (PG_IMAGE_UID, mode 0600): the services' user must be another uid, not the first system uid that a
+    plain `useradd --system` would give it (the same 999)."""
+    user = re.search(r"useradd --system --uid (\d+) .*rackplane", DOCKERFILE.read_text())
+    assert user is not None, "the Dockerfile gives the services' user no uid of its own"
+    assert int(user.group(1)) != dbroles.PG_IMAGE_UID
+
+
 def test_lock_pins_every_runtime_dependency() -> None:
     """The image installs with --no-deps, so the lock must hold the whole dependency tree."""
     locked = {}
@@ -325,7 +336,8 @@ async def test_nats_config_serves_jetstream(nats_from_config: tuple[int, Path]) 
 # --- Docker, when there is an engine --------------------------------------------------------------------
 
 
-def test_docker_compose_config() -> None:
+@pytest.mark.parametrize("path", [COMPOSE, ROOT / "docker-compose.ha.yml"], ids=lambda p: p.name)
+def test_docker_compose_config(path: Path) -> None:
     docker = shutil.which("docker")
     if docker is None:
         pytest.skip("no docker CLI on this machine: `docker compose config` not run")
@@ -338,10 +350,261 @@ def test_docker_compose_config() -> None:
     if subprocess.run([docker, "compose", "version"], capture_output=True, timeout=30).returncode != 0:
         pytest.skip("the Docker Compose plugin is not installed: `docker compose config` not run")
     out = subprocess.run(
-        [docker, "compose", "-f", str(COMPOSE), "config", "-q"],
+        [docker, "compose", "-f", str(path), "config", "-q"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert out.returncode == 0, f"docker compose config rejects docker-compose.yml:\n{out.stderr}"
+    assert out.returncode == 0, f"docker compose config rejects {path.name}:\n{out.stderr}"
+
+
+# --- docker-compose.ha.yml: the shape of `make run HA=1` ------------------------------------------------
+
+COMPOSE_HA = ROOT / "docker-compose.ha.yml"
+PATRONI_YML = ROOT / "deploy" / "images" / "patroni.yml"
+
+
+@pytest.fixture(scope="module")
+def ha() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_HA.read_text())
+
+
+def nats_nodes(ha: dict[str, Any]) -> list[str]:
+    """The broker's nodes: the services that run nats-server with deploy/nats.conf."""
+    return sorted(n for n, svc in ha["services"].items() if "/etc/nats/nats.conf" in command_of(svc))
+
+
+def patroni_nodes(ha: dict[str, Any]) -> list[str]:
+    """The database's nodes: the services that run Patroni with deploy/images/patroni.yml."""
+    return sorted(
+        n
+        for n, svc in ha["services"].items()
+        if any(k == "bind" and (ROOT / s).resolve() == PATRONI_YML for k, s, _t in mounts(svc))
+    )
+
+
+def flag(cmd: list[str], name: str) -> str:
+    assert name in cmd, f"{name} not given in {cmd}"
+    return cmd[cmd.index(name) + 1]
+
+
+def test_ha_broker_is_three_nodes_in_one_cluster(ha: dict[str, Any]) -> None:
+    """As deploy/nats_cluster.py: three nodes, each its own server name (the one `make run HA=1` gives
+    it), store volume and routes to all three, in the cluster of the same name, JetStream on each."""
+    from deploy.nats_cluster import CLUSTER_NAME, NatsCluster
+
+    services = ha["services"]
+    nodes = nats_nodes(ha)
+    cluster = NatsCluster(Path("unused"))
+    assert len(nodes) == cluster.size == 3, nodes
+    expected_names = {n.name for n in cluster.nodes}
+    names, stores = set(), set()
+    for node in nodes:
+        svc = services[node]
+        cmd = command_of(svc)
+        assert flag(cmd, "-c") == "/etc/nats/nats.conf"
+        binds = {t: (ROOT / s).resolve() for k, s, t in mounts(svc) if k == "bind"}
+        assert binds.get("/etc/nats/nats.conf") == NATS_CONF, f"{node} does not run deploy/nats.conf"
+        names.add(flag(cmd, "--name"))
+        assert flag(cmd, "--cluster_name") == CLUSTER_NAME
+        port = urlsplit(flag(cmd, "--cluster")).port
+        routes = {(u.hostname, u.port) for u in map(urlsplit, flag(cmd, "--routes").split(","))}
+        assert routes == {(n, port) for n in nodes}, f"{node}'s routes do not name every node: {routes}"
+        # JetStream (deploy/nats.conf's store_dir) on a volume of the node's own
+        volumes = {t: s for k, s, t in mounts(svc) if k == "volume"}
+        store = [
+            s for t, s in volumes.items() if nats_conf_value("store_dir").startswith(t.rstrip("/") + "/")
+        ]
+        assert len(store) == 1, f"{node} keeps JetStream on no volume of its own: {volumes}"
+        stores.add(store[0])
+        assert "8222" in " ".join(svc["healthcheck"]["test"])
+    assert names == expected_names, f"server names {names}, not deploy/nats_cluster.py's {expected_names}"
+    assert len(stores) == 3, f"the nodes share a store volume: {stores}"
+
+
+def test_ha_streams_are_made_at_three_replicas(ha: dict[str, Any]) -> None:
+    from deploy.stack import HA_STREAM_REPLICAS
+
+    services = ha["services"]
+    assert HA_STREAM_REPLICAS == "3"
+    assert environment_of(services["streams"])["RACKPLANE_STREAM_REPLICAS"] == HA_STREAM_REPLICAS
+    for module in SERVICES:  # as `make run HA=1` gives its stack's setting to every process
+        env = environment_of(services[compose_name(module)])
+        assert env["RACKPLANE_STREAM_REPLICAS"] == HA_STREAM_REPLICAS, compose_name(module)
+
+
+def test_ha_runs_two_of_each_replicated_service(ha: dict[str, Any], compose: dict[str, Any]) -> None:
+    """Two containers of each service `make run HA=1` runs twice; the simulator (the hardware) once; and
+    each runs what docker-compose.yml runs, with the same identity and login."""
+    from deploy.stack import REPLICATED
+
+    services = ha["services"]
+    for module in SERVICES:
+        name = compose_name(module)
+        svc = services[name]
+        replicas = (svc.get("deploy") or {}).get("replicas", 1)
+        assert replicas == (2 if module in REPLICATED else 1), f"{name}: {replicas} replicas"
+        assert command_of(svc) == command_of(compose["services"][name])
+        assert svc.get("restart") == "unless-stopped"
+        single = environment_of(compose["services"][name])
+        env = environment_of(svc)
+        for key in ("NATS_NKEY_FILE", "DATABASE_URL_FILE", "RACKPLANE_SLED_NKEYS", "RACKPLANE_SLEDS"):
+            assert env.get(key) == single.get(key), f"{name}: {key} differs from docker-compose.yml's"
+        assert "DATABASE_URL" not in env
+
+
+def test_ha_every_client_gets_every_broker_node(ha: dict[str, Any]) -> None:
+    from shared.bus import servers
+
+    services = ha["services"]
+    nodes = nats_nodes(ha)
+    port = int(nats_conf_value("listen").rsplit(":", 1)[1])
+    clients = [n for n, svc in services.items() if "NATS_URL" in environment_of(svc)]
+    assert set(clients) >= {"streams", *map(compose_name, SERVICES)}, clients
+    for name in clients:
+        urls = [urlsplit(u) for u in servers(environment_of(services[name])["NATS_URL"])]
+        assert sorted((u.scheme, u.hostname, u.port) for u in urls) == [("nats", n, port) for n in nodes], (
+            name
+        )
+        deps = depends_on(services[name])
+        for node in nodes:
+            assert deps.get(node) == "service_healthy", f"{name} does not wait for {node}"
+
+
+def test_ha_every_database_client_gets_every_database_node(ha: dict[str, Any]) -> None:
+    """db-roles writes each login over every Patroni node with target_session_attrs=read-write
+    (deploy/dbroles.py, given `--host` with every node), and waits for a node that takes writes; each
+    service reads its own login from the volume, and waits for db-roles."""
+    services = ha["services"]
+    nodes = patroni_nodes(ha)
+    roles = command_of(services["db-roles"])
+    assert roles[:4] == ["python", "-m", "deploy.dbroles", "apply"]
+    assert sorted(flag(roles, "--host").split(",")) == nodes
+    assert float(flag(roles, "--wait")) > 0
+    assert "--port" not in roles  # each node's PostgreSQL listens on the default, as patroni.yml says
+    patroni = yaml.safe_load(PATRONI_YML.read_text())
+    assert patroni["postgresql"]["listen"].endswith(":5432")
+    url = dbroles.with_login(
+        "postgresql://pg0:5432,pg1:5432/rackplane?target_session_attrs=read-write", "u", "p"
+    )
+    assert url.endswith("@pg0:5432,pg1:5432/rackplane?target_session_attrs=read-write"), url
+    volume = {t: s for k, s, t in mounts(services["db-roles"]) if k == "volume"}["/run/rackplane/db"]
+    for module in SERVICES:
+        if not (ROOT / "services" / module / "migrations").is_dir():
+            continue
+        svc = services[compose_name(module)]
+        assert environment_of(svc)["DATABASE_URL_FILE"] == f"/run/rackplane/db/{module}.url"
+        assert ("volume", volume, "/run/rackplane/db") in mounts(svc)
+        deps = depends_on(svc)
+        assert deps.get("db-roles") == "service_completed_successfully"
+        for node in nodes:
+            assert deps.get(node) == "service_healthy", f"{compose_name(module)} does not wait for {node}"
+
+
+def test_db_roles_waits_for_a_read_write_node_over_every_host(tmp_path: Path) -> None:
+    """`deploy.dbroles apply --host a,b` asks every node for the one taking writes, and waits `--wait`
+    seconds for it before failing with a message that names them (here, nothing listens)."""
+    (tmp_path / "postgres.password").write_text("unused\n")
+    port = free_port()
+    began = time.monotonic()
+    with pytest.raises(
+        SystemExit, match=rf"no read-write server on 127\.0\.0\.1:{port},localhost:{port} after 1s"
+    ):
+        dbroles._compose(
+            [
+                "apply",
+                "--dir",
+                str(tmp_path),
+                "--host",
+                "127.0.0.1,localhost",
+                "--port",
+                str(port),
+                "--wait",
+                "1",
+            ]
+        )
+    assert time.monotonic() - began >= 1, "it did not wait"
+
+
+def test_ha_credentials_are_made_as_in_docker_compose(ha: dict[str, Any], compose: dict[str, Any]) -> None:
+    """The same identities and database secrets, so that the same rackctl context works with either file."""
+    for step in ("identities", "db-secrets"):
+        assert ha["services"][step] == compose["services"][step], f"{step} differs from docker-compose.yml's"
+
+
+def test_ha_patroni_settings_agree_with_deploy_patroni(ha: dict[str, Any], tmp_path: Path) -> None:
+    """deploy/images/patroni.yml against the config deploy/patroni.py writes for `make run HA=1`: the same
+    DCS settings (leader TTL, loop_wait, retry_timeout, synchronous_mode...), initdb, roles and PostgreSQL
+    parameters; only the addresses differ (the compose network's, not 127.0.0.1)."""
+    from deploy import patroni
+
+    cluster = patroni.PatroniCluster(tmp_path / "pg")
+    node = cluster.members[0]
+    cluster._write_config(node)
+    ours = json.loads(node.config.read_text())
+    theirs = yaml.safe_load(PATRONI_YML.read_text())
+    dcs = theirs["bootstrap"]["dcs"]
+    assert dcs == ours["bootstrap"]["dcs"]
+    assert (dcs["ttl"], dcs["loop_wait"], dcs["retry_timeout"]) == (
+        patroni.TTL,
+        patroni.LOOP_WAIT,
+        patroni.RETRY_TIMEOUT,
+    )
+    assert dcs["synchronous_mode"] is True and dcs["loop_wait"] + 2 * dcs["retry_timeout"] <= dcs["ttl"]
+    assert theirs["bootstrap"]["initdb"] == ours["bootstrap"]["initdb"]
+    assert (
+        theirs["scope"] == ours["scope"] and theirs["log"] == ours["log"] and theirs["tags"] == ours["tags"]
+    )
+    to_network = [rule.replace("127.0.0.1/32", "all") for rule in ours["postgresql"]["pg_hba"]]
+    assert theirs["postgresql"]["pg_hba"] == theirs["bootstrap"]["pg_hba"] == to_network
+    auth = {role: spec["username"] for role, spec in ours["postgresql"]["authentication"].items()}
+    assert {role: spec["username"] for role, spec in theirs["postgresql"]["authentication"].items()} == auth
+    assert all("password" not in spec for spec in theirs["postgresql"]["authentication"].values())
+    # the socket's folder is the one place they differ: the host's test folders make too long a path
+    params = {k: v for k, v in theirs["postgresql"]["parameters"].items() if k != "unix_socket_directories"}
+    assert params == {
+        k: v for k, v in ours["postgresql"]["parameters"].items() if k != "unix_socket_directories"
+    }
+    for key in ("remove_data_directory_on_rewind_failure", "remove_data_directory_on_diverged_timelines"):
+        assert theirs["postgresql"][key] == ours["postgresql"][key]
+    assert f"CREATE DATABASE {cluster.database} " in theirs["bootstrap"]["post_bootstrap"]
+
+    # two nodes, named as deploy/patroni.py names them, each its own data volume; one etcd member
+    services = ha["services"]
+    nodes = patroni_nodes(ha)
+    assert nodes == [m.name for m in cluster.members] and len(nodes) == cluster.nodes == 2
+    data = set()
+    for name in nodes:
+        env = environment_of(services[name])
+        assert env["PATRONI_NAME"] == name
+        assert env["PATRONI_POSTGRESQL_CONNECT_ADDRESS"] == f"{name}:5432"
+        assert (
+            env["PATRONI_RESTAPI_CONNECT_ADDRESS"]
+            == f"{name}:{theirs['restapi']['listen'].rsplit(':', 1)[1]}"
+        )
+        data |= {
+            s for k, s, t in mounts(services[name]) if k == "volume" and t == theirs["postgresql"]["data_dir"]
+        }
+        assert depends_on(services[name]).get("etcd") == "service_healthy"
+    assert len(data) == 2, f"the nodes share a data volume: {data}"
+    etcd = command_of(services["etcd"])
+    assert etcd[0] == "etcd" and f"--name={cluster.scope}-etcd" in etcd
+    assert f"--initial-cluster={cluster.scope}-etcd=http://etcd:2380" in etcd  # one member
+    assert theirs["etcd3"]["hosts"] == "etcd:2379"
+
+
+def test_ha_bind_mounts_exist_and_volumes_are_declared(ha: dict[str, Any]) -> None:
+    declared = set(ha.get("volumes") or {})
+    for name, svc in ha["services"].items():
+        for kind, source, _target in mounts(svc):
+            if kind == "bind":
+                assert (ROOT / source).exists(), f"{name} mounts {source}, which is not in the repository"
+            else:
+                assert source in declared, f"{name} uses volume {source}, not declared under volumes:"
+        for dep, condition in depends_on(svc).items():
+            assert dep in ha["services"], f"{name} depends on unknown service {dep}"
+            if "healthcheck" in ha["services"][dep]:
+                assert condition == "service_healthy", f"{name} should wait for {dep} to be healthy"
+            elif ha["services"][dep].get("restart") == "no":
+                assert condition == "service_completed_successfully", f"{name} should wait for {dep} to end"
