@@ -34,8 +34,9 @@ test: install lint
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal
 
 ## test-containers: the images built here (a Debian base made by debootstrap, no registry needed), then
-## tests with PostgreSQL and nats-server in containers (testcontainers) and the whole docker-compose.yml
-## walked through as the README walks `make run`. Needs root for Docker: it installs Debian's docker.io,
+## tests with PostgreSQL and nats-server in containers (testcontainers), the whole docker-compose.yml
+## walked through as the README walks `make run`, and docker-compose.ha.yml the same, losing a broker node
+## and the database primary. Needs root for Docker: it installs Debian's docker.io,
 ## docker-compose and debootstrap and starts dockerd when they are missing (deploy/containers.sh).
 test-containers: install
 	deploy/containers.sh engine
@@ -48,15 +49,16 @@ lint: install
 
 ## test-ha: the stack of `make run HA=1` losing one machine at a time while commands run (tests/ha, the
 ## `ha` marker; `make test` leaves them out): every acknowledged command has its effect, the checker finds
-## nothing
+## nothing; each kind of loss measured HA_KILLS times (2 here; docs/reliability.md's figures take 5)
+HA_KILLS ?= 2
 test-ha: install
 	@$(PYTHON) deploy/preflight.py ha
-	$(BIN)/pytest -n 0 -m ha -p no:cacheprovider -o timeout=600 tests/ha
+	HA_KILLS=$(HA_KILLS) $(BIN)/pytest -n 0 -m ha -s -p no:cacheprovider -o timeout=900 tests/ha
 
 ## chaos: a long fault-injection soak: random commands under random faults, then every invariant checked
 ## (make chaos SEED=42 DURATION=600; a failing run prints its seed and the log that replays it)
 chaos: install
-	SEED=$(SEED) DURATION=$(DURATION) $(BIN)/pytest -n 0 -m chaos -s -p no:cacheprovider -o timeout=0 tests/chaos
+	SEED=$(SEED) DURATION=$(DURATION) RACKPLANE_HA=$(HA) $(BIN)/pytest -n 0 -m chaos -s -p no:cacheprovider -o timeout=0 tests/chaos
 
 ## fuzz: the fuzz suite at full size: 10,000 hostile messages (make fuzz FUZZ_MESSAGES=... FUZZ_SEED=...);
 ## `make test` runs it with a few hundred, and CI (.ci/run) at full size after it, bounded in time

@@ -8,6 +8,7 @@ import random
 import re
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -68,6 +69,20 @@ instance-manager has no room for yet (`busy`); neither did anything, so sending 
 JITTER = 0.5
 """A retry waits the time it was told plus up to this fraction more, at random: callers limited together
 do not all come back in the same millisecond."""
+ATTEMPT_SHARE = 0.5
+"""One send waits at most this share of the client's timeout for its reply (the rest is for sending it
+again): with rackctl's 15 s, 7.5 s, most of what instance-manager takes to answer a command it holds
+(it answers a saga still running after 10 s, `commands.SAGA_REPLY_WAIT`)."""
+RESEND_FIRST, RESEND_MOST = 0.1, 2.0
+"""Seconds before the first resend of a command whose reply did not come, doubled at each, up to the
+most (jitter added): a broker node or a replica being replaced is back within seconds."""
+RECONNECT_POLL = 0.2
+"""How often a send in flight looks whether the connection was replaced (its reply would be lost)."""
+
+
+def resend_after(n: int) -> float:
+    """Seconds to wait before the `n`th resend (from 0) of a command whose reply did not come."""
+    return min(RESEND_FIRST * 2**n, RESEND_MOST) * (1 + random.uniform(0, JITTER))
 
 
 def retry_after(e: bus.CommandError) -> float | None:
@@ -83,6 +98,10 @@ class Client:
         self.timeout = timeout
         self.told_busy = 0
         """Commands told `busy` at least once (and sent again): what a burst's caller reports."""
+        self.resent = 0
+        """Commands sent again at least once because their reply did not come."""
+        self.attempt_share = ATTEMPT_SHARE
+        """The share of `timeout` one send waits for its reply (ATTEMPT_SHARE)."""
 
     @classmethod
     async def connect(
@@ -110,23 +129,71 @@ class Client:
         await self.nc.drain()
 
     async def call(self, subject: str, body: Model) -> Any:
-        """Send a command and return its reply's data. One refused with `retry after N ms` is sent again
-        after that time (with jitter), for as long as the client's timeout, counted from the first send;
-        a `busy` one says so on stderr, once a command (instance-manager has more sagas than it can run)."""
+        """Send a command and return its reply's data, for as long as the client's timeout, counted from
+        the first send. One refused with `retry after N ms` is sent again after that time (with jitter); a
+        `busy` one says so on stderr, once a command (instance-manager has more sagas than it can run).
+        One whose reply did not come (none in time, no service subscribed while one is being replaced,
+        the connection replaced meanwhile) is sent again, with the same envelope id, after a short
+        backoff: every command is safe to send again (the services recognise the id: a command takes
+        effect once, and its copy gets its answer). That says so on stderr too, once a command. Refusals
+        (`conflict`, `not_found`, `stale`, ...) are answers, never sent again; `unavailable` from a service
+        that cannot reach its database right now is sent again likewise (its transaction may or may not
+        have committed: the copy finds out)."""
         deadline = time.monotonic() + self.timeout
-        said = False
+        request_id = uuid.uuid4()
+        said_busy = said_resent = False
+        resends = 0
         while True:
             try:
-                return await bus.request(self.nc, subject, body, source=SOURCE, timeout=self.timeout)
+                return await self._send_once(subject, body, request_id, deadline)
             except bus.CommandError as e:
-                wait = retry_after(e)
-                if wait is None or time.monotonic() + wait > deadline:
+                if not isinstance(e, bus.NoReply) and e.code != "unavailable":
+                    wait = self._retry_or_raise(e, deadline, said_busy)
+                    said_busy = said_busy or e.code == "busy"
+                    await asyncio.sleep(wait)
+                    continue
+                wait = resend_after(resends)
+                resends += 1
+                if time.monotonic() + wait >= deadline:
+                    if e.code == "timeout":  # the whole wait, not the last send's
+                        raise bus.NoReply(
+                            "timeout", f"no reply on {subject} within {self.timeout:g}s"
+                        ) from None
                     raise
-                if e.code == "busy" and not said:  # once a command: a burst's caller sees why it waits
-                    said = True
-                    self.told_busy += 1
-                    print(f"instance-manager busy: retrying in {wait * 1000:.0f} ms", file=sys.stderr)
+                if not said_resent:
+                    said_resent = True
+                    self.resent += 1
+                    print(f"{e.message}: sending it again, as the same request", file=sys.stderr)
             await asyncio.sleep(wait)
+
+    def _retry_or_raise(self, e: bus.CommandError, deadline: float, said_busy: bool) -> float:
+        """Seconds to wait before sending again a command refused with `retry after N ms`; raise `e` if it
+        said no such thing, or if that would pass the deadline. A `busy` one says so, once a command."""
+        wait = retry_after(e)
+        if wait is None or time.monotonic() + wait > deadline:
+            raise e
+        if e.code == "busy" and not said_busy:  # once a command: a burst's caller sees why it waits
+            self.told_busy += 1
+            print(f"instance-manager busy: retrying in {wait * 1000:.0f} ms", file=sys.stderr)
+        return wait
+
+    async def _send_once(self, subject: str, body: Model, request_id: uuid.UUID, deadline: float) -> Any:
+        """One send, waiting `attempt_share` of the timeout at most (what is left, if less); NoReply `lost`
+        as soon as the connection is replaced while it waits (a reply meant for the old one is gone)."""
+        wait = max(min(deadline - time.monotonic(), self.timeout * self.attempt_share), 0.01)
+        reconnects = self.nc.stats["reconnects"]
+        send = asyncio.ensure_future(
+            bus.request(self.nc, subject, body, source=SOURCE, timeout=wait, request_id=request_id)
+        )
+        try:
+            while not send.done():
+                await asyncio.wait({send}, timeout=RECONNECT_POLL)
+                if not send.done() and self.nc.stats["reconnects"] != reconnects:
+                    raise bus.NoReply("lost", f"the connection was replaced while {subject} was out")
+            return send.result()
+        finally:
+            if not send.done():
+                send.cancel()
 
     async def pages(self, body: Paged) -> AsyncIterator[list[Any]]:
         """A list command's items, a page at a time (each page one request, in the list's order)."""

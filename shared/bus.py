@@ -7,7 +7,8 @@
 - `BulkPublisher`: many messages at once, one wait for all their acks (the outbox relay's way).
 - `Consumer`: a durable pull consumer that acks only after its handler returned (so after the handler's
   transaction committed), naks on transient failure, and dead-letters what it can never handle, with the
-  reason, so that nothing is lost and the loop goes on.
+  reason, so that nothing is lost and the loop goes on. It fetches through `Pull`: one pull request and
+  one wait a batch, not nats-py's task and timer a message.
 - `serve` / `request`: operator commands as request/reply, with errors as clear replies.
 
 Fault injection (`shared/faults.py`) hooks into `publish` and `Consumer`; it costs one attribute check
@@ -17,6 +18,7 @@ while it is off, which it is unless a test or an operator turns it on.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
@@ -24,8 +26,9 @@ import math
 import ssl
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -80,6 +83,25 @@ class NotFound(CommandError):
 class Conflict(CommandError):
     def __init__(self, message: str) -> None:
         super().__init__("conflict", message)
+
+
+class NoReply(CommandError):
+    """No reply came (none within the timeout, no service subscribed, or the connection was lost while
+    the request was out): the command may or may not have run. The caller may send it again with the same
+    envelope id, which the services recognise (`REQUEST`), so that it takes effect once."""
+
+
+REQUEST: contextvars.ContextVar[tuple[uuid.UUID, str] | None] = contextvars.ContextVar(
+    "request", default=None
+)
+"""While a command's handler runs (`serve`): its envelope id, and a digest of what it asks (subject and
+body), so that a handler can recognise a copy of a command it has already handled."""
+
+
+def request_digest(subject: str, data: dict[str, Any]) -> str:
+    """What a command asks, as a short digest: a request id reused for another command is told apart."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(f"{subject}\n{canonical}".encode()).hexdigest()[:32]
 
 
 class Reject(Exception):
@@ -359,6 +381,92 @@ def _pub_ack_error(data: bytes) -> str:
 
 # --- stream consumers ----------------------------------------------------------------------------------
 
+
+class FetchFailed(Exception):
+    """The broker ended a pull with an error (no such consumer, the consumer deleted): subscribe anew."""
+
+
+class Pull:
+    """Fetches from one durable pull consumer: each fetch is one pull request, whose messages a callback
+    collects into a list, and one wait until the request is over (its batch delivered, or the broker's
+    status that ends it).
+
+    nats-py's `fetch` waits for each message of a batch with a task and a timer of its own (`next_msg`):
+    a tenth of what a consumer of a thousand-message batch spends (docs/benchmarks.md, the accounting
+    benchmark). The request asks for what is there at once (`no_wait`), waiting up to `timeout` for a
+    first message when there is none, so a fetch returns as soon as messages have come, as nats-py's
+    does. Each request has a reply subject of its own (`<inbox>.<n>`), so a status that ends an earlier
+    request, one given up on, is told apart; messages it delivers late are kept for the next fetch (they
+    are ordinary deliveries: acked once handled, or redelivered after the ack wait)."""
+
+    MARGIN = 0.25
+    """Seconds past the request's expiry that a fetch waits for the broker's status that ends it, before
+    taking it as forgotten (a broker that restarted forgets pending pulls) and asking again."""
+
+    def __init__(self, js: JetStreamContext, stream: str, durable: str) -> None:
+        self.nc: NATS = js._nc
+        self.next_subject = f"{js._prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.inbox = self.nc.new_inbox()
+        self._sub: Any = None
+        self._request = 0
+        self._wanted = 0
+        self._got: list[Msg] = []
+        self._over: asyncio.Future[None] | None = None
+        self._error: FetchFailed | None = None
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        """Up to `batch` messages, as soon as there are some; TimeoutError if none came in `timeout`."""
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._delivered)
+        if not self._got:  # what an earlier request delivered late is handed out first, without asking
+            self._request += 1
+            self._wanted, self._error = batch, None
+            self._over = over = asyncio.get_running_loop().create_future()
+            ask = {"batch": batch, "expires": int(timeout * 1e9), "no_wait": True}
+            await self.nc.publish(
+                self.next_subject, json.dumps(ask).encode(), reply=f"{self.inbox}.{self._request}"
+            )
+            try:
+                await asyncio.wait_for(over, timeout + self.MARGIN)
+            except TimeoutError:
+                pass
+        msgs, self._got = self._got[:batch], self._got[batch:]
+        if not msgs:
+            if self._error is not None:
+                raise self._error
+            raise TimeoutError
+        return msgs
+
+    async def _delivered(self, msg: Msg) -> None:
+        """A message of the consumer, or the broker's status on a request (its reply subject is ours)."""
+        if not msg.subject.startswith(self.inbox):
+            self._got.append(msg)
+            if len(self._got) >= self._wanted:
+                self._end()
+            return
+        if msg.subject != f"{self.inbox}.{self._request}":
+            return  # the end of a request given up on
+        status = (msg.headers or {}).get(api.Header.STATUS, "")
+        if status == "100":  # a heartbeat
+            return
+        description = (msg.headers or {}).get(api.Header.DESCRIPTION, "")
+        if status not in ("404", "408"):  # 404, 408: nothing more to deliver, or the request expired
+            why = "no such consumer" if status == "503" else description.strip() or "no description"
+            self._error = FetchFailed(f"{self.next_subject}: {status} {why}")
+        self._end()
+
+    def _end(self) -> None:
+        if self._over is not None and not self._over.done():
+            self._over.set_result(None)
+
+    async def close(self) -> None:
+        """Stop listening (best effort: the connection may be gone already)."""
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+
 Handler = Callable[[Envelope, Any, Msg], Awaitable[None]]
 
 
@@ -404,8 +512,10 @@ class Consumer:
         broker restart, which forgets pending pulls, how long until this consumer asks again."""
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+    async def _subscribe(self) -> Pull:
+        """The durable, created if it is not there (as `js.pull_subscribe` would), and a `Pull` on it."""
         config = api.ConsumerConfig(
+            name=self.durable,
             durable_name=self.durable,
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=self.ack_wait,
@@ -413,9 +523,11 @@ class Consumer:
             filter_subject=self.filter_subject,
             max_ack_pending=10_000,
         )
-        return await self.js.pull_subscribe(
-            self.filter_subject, durable=self.durable, stream=self.stream, config=config
-        )
+        try:
+            await self.js.consumer_info(self.stream, self.durable)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_consumer(self.stream, config=config)
+        return Pull(self.js, self.stream, self.durable)
 
     async def run(self) -> None:
         sub = None
@@ -430,6 +542,8 @@ class Consumer:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                if sub is not None:
+                    await sub.close()
                 sub = None
                 await self._fetch_failed(e)
                 continue
@@ -631,6 +745,8 @@ class BatchConsumer(Consumer):
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
+                    if sub is not None:
+                        await sub.close()
                     sub, pending = None, None
                     self._caught_up(True)  # nothing waits on a consumer that cannot fetch
                     await self._fetch_failed(e)
@@ -645,6 +761,8 @@ class BatchConsumer(Consumer):
         finally:
             if pending is not None:
                 pending.cancel()
+            if sub is not None:
+                await sub.close()
 
     def _caught_up(self, caught_up: bool) -> None:
         if self.caught_up is not None:
@@ -735,24 +853,56 @@ async def serve(
     queue: str,
     check_silo: bool = True,
     admit: Callable[[Msg], CommandError | None] | None = None,
+    remember: int = 0,
 ) -> Any:
     """Answer commands on `subject`; each body type goes to its handler; every failure is a clear reply.
 
     With `check_silo`, a body that names a silo must arrive on that silo's subject, so that permissions
     granted per silo subject cannot be bypassed by naming another silo in the body.
+
+    With `remember`, the replies to the last `remember` commands are kept in memory, by envelope id and
+    digest: a copy of one (a caller's resend) gets the first's reply (awaited while it is being made)
+    instead of running again. For a service of one process; a replicated one records its replies in its
+    database instead (`REQUEST`).
     """
     expect = tuple(handlers)
+    replies: OrderedDict[tuple[str, str], asyncio.Future[Reply]] = OrderedDict()
 
     async def answer(msg: Msg) -> None:
-        reply = await handle(msg)
+        reply = await (handle_once(msg) if remember else handle(msg))
         if FAULTS.active and FAULTS.duplicates_request(msg.subject):
             spawn(handle(msg))  # the same request again, as a sender's retry would come; its reply dropped
         if msg.reply and (not FAULTS.active or await FAULTS.before_reply(msg.subject)):
             await _respond(msg, reply)
 
+    async def handle_once(msg: Msg) -> Reply:
+        """`handle`, or the reply to an earlier copy of this very command."""
+        try:
+            sent = json.loads(msg.data)
+            key = (str(sent["id"]), request_digest(msg.subject, sent.get("data")))
+        except Exception:  # not even an envelope: `handle` says why
+            return await handle(msg)
+        if (first := replies.get(key)) is not None:
+            return await asyncio.shield(first)
+        mine: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        replies[key] = mine
+        while len(replies) > remember:
+            replies.popitem(last=False)
+        try:
+            reply = await handle(msg)
+        except BaseException:  # cancelled: a copy runs it again
+            replies.pop(key, None)
+            mine.cancel()
+            raise
+        if not reply.ok and (reply.error or {}).get("code") == "unavailable":
+            replies.pop(key, None)  # nothing was done: a copy tries again
+        mine.set_result(reply)
+        return reply
+
     async def handle(msg: Msg) -> Reply:
         try:
             env, body = decode(msg.data, expect)
+            REQUEST.set((env.id, request_digest(msg.subject, env.data)))
             if wrong_subject := subjects.command_error(msg.subject, env.schema_):
                 raise CommandError("forbidden", wrong_subject)
             if check_silo:
@@ -803,7 +953,27 @@ async def serve(
             return
         spawn(answer(msg))
 
-    return await nc.subscribe(subject, queue=queue, cb=on_msg)
+    sub = await nc.subscribe(subject, queue=queue, cb=on_msg)
+    _SERVING.append((sub, tasks))
+    return sub
+
+
+_SERVING: list[tuple[Any, set[asyncio.Task[Any]]]] = []
+"""Every command subscription of this process, with the commands it has in hand (`stop_serving`)."""
+
+
+async def stop_serving(within: float) -> None:
+    """Take no more commands, and answer those in hand for up to `within` seconds: a process asked to stop
+    leaves its queue group at once, so its peers (another replica) take every new command, and the
+    commands it took are answered rather than cut off (a caller would have to send them again)."""
+    serving, _SERVING[:] = list(_SERVING), []
+    for sub, _ in serving:
+        with suppress(Exception):  # the connection gone already: nothing more comes
+            await sub.unsubscribe()
+    in_hand = {t for _, tasks in serving for t in tasks}
+    if in_hand:
+        log.info("stopping: answering the %d command(s) in hand (up to %gs)", len(in_hand), within)
+        await asyncio.wait(in_hand, timeout=within)
 
 
 async def _respond(msg: Msg, reply: Reply) -> None:
@@ -823,9 +993,19 @@ async def _respond(msg: Msg, reply: Reply) -> None:
         log.info("error reply to %s not sent either: %s", msg.subject, e)
 
 
-async def request(nc: NATS, subject: str, body: Model, *, source: str, timeout: float = 10.0) -> Any:
-    """Send a command and return the reply's data, or raise CommandError with the server's message."""
-    env = envelope(body, source)
+async def request(
+    nc: NATS,
+    subject: str,
+    body: Model,
+    *,
+    source: str,
+    timeout: float = 10.0,
+    request_id: uuid.UUID | None = None,
+) -> Any:
+    """Send a command and return the reply's data, or raise CommandError with the server's message
+    (NoReply when no reply came). `request_id`: the envelope id, the same for every copy of one command
+    sent again (rackctl's client), so that the service recognises it."""
+    env = envelope(body, source, request_id)
     denials = _DENIALS.get(nc)
     try:
         with telemetry.messaging_span(
@@ -837,9 +1017,11 @@ async def request(nc: NATS, subject: str, body: Model, *, source: str, timeout: 
             else:
                 msg = await _unless_denied(call, subject, denials)
     except nats.errors.NoRespondersError:
-        raise CommandError("unavailable", f"no service answers {subject}: is the stack running?") from None
+        raise NoReply("unavailable", f"no service answers {subject}: is the stack running?") from None
     except nats.errors.TimeoutError:
-        raise CommandError("timeout", f"no reply on {subject} within {timeout:g}s") from None
+        raise NoReply("timeout", f"no reply on {subject} within {timeout:g}s") from None
+    except (nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError) as e:
+        raise NoReply("lost", f"the connection was lost while {subject} was out ({e})") from None
     reply = Reply.model_validate_json(msg.data)
     if not reply.ok:
         err = reply.error or {}

@@ -257,12 +257,19 @@ def schema_file(schema: str, version: int) -> str:
     return f"{schema}.v{version}.json"
 
 
+ID_MEANING = (
+    "a UUID naming this message (also its Nats-Msg-Id); a command sent again because its reply did not come "
+    "keeps it, and the service answers the copy as it answered the first, applying it once"
+)
+
+
 def json_schema(schema: str, version: int, model: type[Model]) -> dict[str, Any]:
     """The whole message, envelope and body, as one standalone JSON Schema (draft 2020-12)."""
     body = model.model_json_schema()
     defs = body.pop("$defs", {})
     envelope = Envelope.model_json_schema(by_alias=True)
     props = dict(envelope["properties"])
+    props["id"] = {**props["id"], "description": ID_MEANING}
     props["schema"] = {"const": schema, "description": "the message's schema"}
     props["version"] = {"const": version, "description": "the schema's version"}
     props["data"] = {"$ref": f"#/$defs/{model.__name__}"}

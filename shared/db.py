@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,10 +41,10 @@ from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS, S
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared import metrics, telemetry
-from shared.bus import MSG_ID, BulkPublisher, headers_for, msg_id_for
+from shared.bus import MSG_ID, BulkPublisher, msg_id_for
 from shared.errors import transient
 from shared.faults import FAULTS
-from shared.messages import Model, encode, envelope
+from shared.messages import Model, encode_envelope
 
 log = logging.getLogger(__name__)
 
@@ -347,14 +348,20 @@ async def enqueue(
     """Write a message to publish once the caller's transaction commits. `key` makes its id stable.
 
     Its `create` span (PRODUCER) is the context the message carries: the consumer's span is its child."""
-    env = envelope(body, source, msg_id_for(key) if key else None)
+    msg_id = msg_id_for(key) if key else uuid.uuid4()
     with telemetry.messaging_span(
         subject,
         MessagingOperationTypeValues.CREATE,
         SpanKind.PRODUCER,
-        **{MESSAGING_MESSAGE_ID: str(env.id)},
+        **{MESSAGING_MESSAGE_ID: str(msg_id)},
     ):
-        await conn.execute(queries(OUTBOX)["enqueue"], env.id, subject, encode(env), headers_for(env))
+        await conn.execute(
+            queries(OUTBOX)["enqueue"],
+            msg_id,
+            subject,
+            encode_envelope(body, source, msg_id),
+            telemetry.inject({MSG_ID: str(msg_id)}),
+        )
 
 
 async def enqueue_many(
@@ -364,20 +371,18 @@ async def enqueue_many(
     caller's trace context, so their headers are made once (the relay adds each one's message id)."""
     if not messages:
         return
-    envs = [
-        (subject, envelope(body, source, msg_id_for(key) if key else None)) for subject, body, key in messages
-    ]
+    ids = [msg_id_for(key) if key else uuid.uuid4() for _, _, key in messages]
     with telemetry.messaging_span(
-        envs[0][0],
+        messages[0][0],
         MessagingOperationTypeValues.CREATE,
         SpanKind.PRODUCER,
-        **{MESSAGING_BATCH_MESSAGE_COUNT: len(envs)},
+        **{MESSAGING_BATCH_MESSAGE_COUNT: len(messages)},
     ):
         await conn.execute(
             queries(OUTBOX)["enqueue_many"],
-            [e.id for _, e in envs],
-            [subject for subject, _ in envs],
-            [encode(e) for _, e in envs],
+            ids,
+            [subject for subject, _, _ in messages],
+            [encode_envelope(body, source, i) for (_, body, _), i in zip(messages, ids, strict=True)],
             telemetry.inject({}),
         )
 

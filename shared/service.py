@@ -44,8 +44,17 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
         log.info("%s: metrics and health on http://%s:%d", service, host, HTTP["port"])
         task = asyncio.create_task(main(given))
         loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task[None]] = []
+
+        def stop() -> None:
+            """The first signal stops gracefully (`stop_gracefully`); a second, at once."""
+            if stopping:
+                task.cancel()
+            else:
+                stopping.append(asyncio.create_task(stop_gracefully(task)))
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, stop)
         loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
         with suppress(asyncio.CancelledError):
             await task
@@ -100,6 +109,24 @@ def stop_for(reason: str) -> None:
     log.error("stopping: %s", reason)
     FATAL.append(reason)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+STOP_GRACE = 5.0
+"""Seconds a process asked to stop spends answering the commands it has in hand: longer than most
+commands take (a start answers within a second or two), shorter than a supervisor's patience (`make
+run` and the tests kill after 30 s, Docker after 10 s)."""
+
+
+async def stop_gracefully(task: asyncio.Task[None]) -> None:
+    """Leave every command queue group and answer the commands in hand (bus.stop_serving), then stop:
+    a replica restarted in turn is not seen by its callers, whose commands its peer takes meanwhile.
+    Sagas this process runs stop at a step boundary and release their leases (another process resumes
+    them at once); unacked messages are redelivered to its peers."""
+    from shared import bus
+
+    with suppress(Exception):
+        await asyncio.wait_for(bus.stop_serving(STOP_GRACE), STOP_GRACE + 1)
+    task.cancel()
 
 
 def dump_tasks() -> None:

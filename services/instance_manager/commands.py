@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle, limits, orders, paging, sleds
+from services.instance_manager import lifecycle, limits, orders, paging, replies, sleds
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.migrate_saga import MIGRATE
@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 SAGA_REPLY_WAIT = 10.0
 """How long a create, start or migration waits for its saga before answering "in progress"."""
+SAGA_POLL = 0.2
+"""How often a command awaiting a saga another process runs (a copy of the command that began it, sent
+again) looks whether it is over, or whether its lease is free to take (that process died)."""
 NAMES_SHOWN = 5
 """Most project names a refused `silo delete` lists (it says how many there are in all)."""
 LOST_ORDERS_TOGETHER = 64
@@ -208,9 +211,17 @@ class Commands:
     # --- silos and projects ---
 
     async def silo_create(self, body: SiloCreate, msg: Msg) -> dict[str, Any]:
+        try:
+            return await self._silo_create(body, replies.current())
+        except replies.Answered as e:
+            return e.reply
+
+    async def _silo_create(self, body: SiloCreate, request: replies.Request) -> dict[str, Any]:
         silo_id = uuid.uuid4()
         quota = body.quota.model_dump()
+        reply = {"id": str(silo_id), "name": body.name, "quota": quota}
         async with self.app.pool.acquire() as conn, conn.transaction():
+            await replies.claim(conn, request)
             created = await conn.fetchval(Q["silo_insert"], silo_id, body.name, quota)
             if created is None:
                 raise bus.Conflict(f"silo {body.name} already exists")
@@ -221,8 +232,9 @@ class Commands:
                 source=SOURCE,
                 key=f"silo:{silo_id}",
             )
+            await replies.answered(conn, request, reply)
         self.app.relay.kick()
-        return {"id": str(silo_id), "name": body.name, "quota": quota}
+        return reply
 
     async def silo_list(self, body: SiloList, msg: Msg) -> dict[str, Any]:
         rows = await self.app.pool.fetch(Q["silo_page"], *paging.after(body.after, 1), body.limit)
@@ -231,7 +243,14 @@ class Commands:
         return paging.reply(items, next_cursor)
 
     async def project_create(self, body: ProjectCreate, msg: Msg) -> dict[str, Any]:
+        try:
+            return await self._project_create(body, replies.current())
+        except replies.Answered as e:
+            return e.reply
+
+    async def _project_create(self, body: ProjectCreate, request: replies.Request) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():
+            await replies.claim(conn, request)
             silo = await conn.fetchrow(Q["silo_lock_limits"], body.silo)  # creates of a silo take turns
             if silo is None:
                 raise bus.NotFound(f"no silo {body.silo}")
@@ -248,14 +267,23 @@ class Commands:
                 source=SOURCE,
                 key=f"project:{project_id}",
             )
+            reply = {"id": str(project_id), "silo": body.silo, "name": body.name}
+            await replies.answered(conn, request, reply)
         self.app.relay.kick()
-        return {"id": str(project_id), "silo": body.silo, "name": body.name}
+        return reply
 
     async def silo_delete(self, body: SiloDelete, msg: Msg) -> dict[str, Any]:
         """Delete a silo that holds no project. Its row is locked FOR UPDATE, which a project create's
         lock of it waits for, so a create racing the delete either is counted here (the delete refused) or
         finds no silo after it. The row stays, marked deleted (its projects point at it); its name is free."""
+        try:
+            return await self._silo_delete(body, replies.current())
+        except replies.Answered as e:
+            return e.reply
+
+    async def _silo_delete(self, body: SiloDelete, request: replies.Request) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn, conn.transaction():
+            await replies.claim(conn, request)
             silo = await conn.fetchrow(Q["silo_lock_delete"], body.name)
             if silo is None:
                 raise bus.NotFound(f"no silo {body.name}")
@@ -273,16 +301,25 @@ class Commands:
                 source=SOURCE,
                 key=f"silo-deleted:{silo['id']}",
             )
+            reply = {"id": str(silo["id"]), "name": body.name}
+            await replies.answered(conn, request, reply)
         self.app.relay.kick()
-        return {"id": str(silo["id"]), "name": body.name}
+        return reply
 
     async def project_delete(self, body: ProjectDelete, msg: Msg) -> dict[str, Any]:
         """Delete a project that holds no instance (but destroyed ones) and no live pool. Its silo's row is
         locked first, as every create inside locks it, then its own FOR UPDATE, which the insert of an
         instance or a pool waits for (instance_insert, pool_insert): an insert racing the delete is either
         counted here (the delete refused) or finds the project deleted after it (not found)."""
+        try:
+            return await self._project_delete(body, replies.current())
+        except replies.Answered as e:
+            return e.reply
+
+    async def _project_delete(self, body: ProjectDelete, request: replies.Request) -> dict[str, Any]:
         where = f"{body.silo}/{body.name}"
         async with self.app.pool.acquire() as conn, conn.transaction():
+            await replies.claim(conn, request)
             silo = await conn.fetchrow(Q["silo_lock_limits"], body.silo)
             project = silo and await conn.fetchrow(Q["project_lock_delete"], silo["id"], body.name)
             if not project:
@@ -300,8 +337,10 @@ class Commands:
                 source=SOURCE,
                 key=f"project-deleted:{project['id']}",
             )
+            reply = {"id": str(project["id"]), "silo": body.silo, "name": body.name}
+            await replies.answered(conn, request, reply)
         self.app.relay.kick()
-        return {"id": str(project["id"]), "silo": body.silo, "name": body.name}
+        return reply
 
     async def project_list(self, body: ProjectList, msg: Msg) -> dict[str, Any]:
         rows = await self.app.pool.fetch(
@@ -344,9 +383,8 @@ class Commands:
 
     async def _await_saga(self, saga_id: uuid.UUID, instance_id: uuid.UUID, verb: str) -> dict[str, Any]:
         """Answer once the saga ends (or after SAGA_REPLY_WAIT, with the instance as it is by then)."""
-        task = self.app.sagas.launch(saga_id, waited_for=True)
         try:
-            status = await asyncio.wait_for(asyncio.shield(task), SAGA_REPLY_WAIT)
+            status = await asyncio.wait_for(self._saga_end(saga_id), SAGA_REPLY_WAIT)
         except TimeoutError:
             status = "running"
         if status == "failed":
@@ -355,10 +393,35 @@ class Commands:
         async with self.app.pool.acquire() as conn:
             return instance_reply(await self.app.view(conn, instance_id))
 
+    async def _saga_end(self, saga_id: uuid.UUID) -> str:
+        """The saga's final status, driving it here if nobody else does: a copy of the command that began
+        it (sent again) may arrive while another replica runs it, or after that replica died (its lease
+        then expires, and this one takes it: never a second saga). "missing": pruned, long over."""
+        while True:
+            status = await asyncio.shield(self.app.sagas.launch(saga_id, waited_for=True))
+            if status in ("done", "failed"):
+                return status
+            # "busy" (another process holds its lease, or it is over) or "lost" (another took it)
+            status = await self.app.pool.fetchval(replies.SQL["saga_status"], saga_id)
+            if status in ("done", "failed", None):
+                return status or "missing"
+            await asyncio.sleep(SAGA_POLL)
+
+    async def _saga_answer(self, e: replies.Answered, verb: str) -> dict[str, Any]:
+        """What a copy of a create, start or migration gets: the first's saga, awaited."""
+        assert e.saga_id is not None and e.instance_id is not None, "a saga's command records its saga"
+        return await self._await_saga(e.saga_id, e.instance_id, verb)
+
     async def instance_create(self, body: InstanceCreate, msg: Msg) -> dict[str, Any]:
+        request = replies.current()
         if body.from_pool is None:
-            return await self._create(body)
-        picked = await self.pools.pick(body)
+            return await self._create(body, request)
+        try:
+            picked = await self.pools.pick(body, request)
+        except replies.Answered as e:
+            if e.saga_id is None:  # a copy of a pick: its answer
+                return {**e.reply, "source": "pool"}
+            picked = None  # a copy of a create from an empty pool: its create and start go on below
         if picked is not None:
             return {**picked, "source": "pool"}
         if body.require_pool:
@@ -369,16 +432,30 @@ class Commands:
         shaped = body.model_copy(
             update={"vcpus": vcpus, "ram_bytes": ram, "disk_bytes": disk, "from_pool": None}
         )
-        await self._create(shaped)
-        started = await self._start(  # not refused busy: the create it follows is done
-            InstanceStart(silo=body.silo, project=body.project, name=body.name), refuse_busy=False
+        await self._create(shaped, request)
+        started = await self._start(  # not refused busy: the create it follows is done; not recorded:
+            # a copy finds the instance starting or running, a start's no-op
+            InstanceStart(silo=body.silo, project=body.project, name=body.name),
+            None,
+            refuse_busy=False,
         )
         note = f"pool {body.from_pool} had no idle VM: created and started a new instance"
         return {**started, "source": "new", "note": note}
 
-    async def _create(self, body: InstanceCreate) -> dict[str, Any]:
+    async def _create(self, body: InstanceCreate, request: replies.Request) -> dict[str, Any]:
+        try:
+            saga_id, instance_id = await self._begin_create(body, request)
+        except replies.Answered as e:
+            return await self._saga_answer(e, "create")
+        self.app.relay.kick()
+        return await self._await_saga(saga_id, instance_id, "create")
+
+    async def _begin_create(
+        self, body: InstanceCreate, request: replies.Request
+    ) -> tuple[uuid.UUID, uuid.UUID]:
         instance_id = uuid.uuid4()
         async with self._beginning() as conn, conn.transaction():
+            await replies.claim(conn, request)
             silo = await conn.fetchrow(Q["silo_lock_limits"], body.silo)  # creates of a silo take turns
             project = await conn.fetchrow(Q["project_by_name"], body.silo, body.project)
             if silo is None or project is None:
@@ -392,34 +469,56 @@ class Commands:
             most = limits.in_force(silo)["instances"]
             if await conn.fetchval(Q["silo_instances_count"], silo["id"]) > most:  # the new one counted
                 raise limits.over(body.silo, most, "instances")
-        self.app.relay.kick()
-        return await self._await_saga(saga_id, instance_id, "create")
+            await replies.answered(conn, request, saga_id=saga_id, instance_id=instance_id)
+        return saga_id, instance_id
 
     async def instance_start(self, body: InstanceStart, msg: Msg) -> dict[str, Any]:
-        return await self._start(body)
+        return await self._start(body, replies.current())
 
-    async def _start(self, body: InstanceStart, *, refuse_busy: bool = True) -> dict[str, Any]:
-        async with self._beginning(refuse_busy) as conn:
-            try:
-                async with conn.transaction():
-                    instance_id = await self._instance_id(conn, body)
-                    saga_id = await self.app.sagas.begin(conn, START, {"instance_id": str(instance_id)})
-            except AlreadyRunning:
-                return instance_reply(await self.app.view(conn, instance_id))
+    async def _start(
+        self, body: InstanceStart, request: replies.Request, *, refuse_busy: bool = True
+    ) -> dict[str, Any]:
+        try:
+            async with self._beginning(refuse_busy) as conn:
+                try:
+                    async with conn.transaction():
+                        await replies.claim(conn, request)
+                        instance_id = await self._instance_id(conn, body)
+                        saga_id = await self.app.sagas.begin(conn, START, {"instance_id": str(instance_id)})
+                        await replies.answered(conn, request, saga_id=saga_id, instance_id=instance_id)
+                except AlreadyRunning:  # nothing recorded: a copy finds it so too
+                    return instance_reply(await self.app.view(conn, instance_id))
+        except replies.Answered as e:
+            return await self._saga_answer(e, "start")
         self.app.relay.kick()
         return await self._await_saga(saga_id, instance_id, "start")
 
     async def instance_stop(self, body: InstanceStop, msg: Msg) -> dict[str, Any]:
-        async with self.app.pool.acquire() as conn, conn.transaction():
-            v = await lifecycle.stop(self.app, conn, await self._instance_id(conn, body))
+        request = replies.current()
+        try:
+            async with self.app.pool.acquire() as conn, conn.transaction():
+                await replies.claim(conn, request)
+                reply = instance_reply(
+                    await lifecycle.stop(self.app, conn, await self._instance_id(conn, body))
+                )
+                await replies.answered(conn, request, reply)
+        except replies.Answered as e:
+            return e.reply
         self.app.relay.kick()
-        return instance_reply(v)
+        return reply
 
     async def instance_migrate(self, body: InstanceMigrate, msg: Msg) -> dict[str, Any]:
-        async with self._beginning() as conn, conn.transaction():
-            instance_id = await self._instance_id(conn, body)
-            params = {"instance_id": str(instance_id), "to_sled": body.to_sled}
-            saga_id = await self.app.sagas.begin(conn, MIGRATE, params)
+        request = replies.current()
+        try:
+            async with self._beginning() as conn, conn.transaction():
+                await replies.claim(conn, request)
+                instance_id = await self._instance_id(conn, body)
+                params = {"instance_id": str(instance_id), "to_sled": body.to_sled}
+                saga_id = await self.app.sagas.begin(conn, MIGRATE, params)
+                await replies.answered(conn, request, saga_id=saga_id, instance_id=instance_id)
+        except replies.Answered as e:
+            assert e.saga_id is not None and e.instance_id is not None
+            saga_id, instance_id = e.saga_id, e.instance_id
         self.app.relay.kick()
         view = await self._await_saga(saga_id, instance_id, "migration")
         d = await self.app.sagas.data(saga_id)
@@ -432,10 +531,17 @@ class Commands:
         return {**view, "migration": migration}
 
     async def instance_delete(self, body: InstanceDelete, msg: Msg) -> dict[str, Any]:
-        async with self.app.pool.acquire() as conn, conn.transaction():
-            v = await lifecycle.delete(self.app, conn, await self._instance_id(conn, body))
+        request = replies.current()
+        try:
+            async with self.app.pool.acquire() as conn, conn.transaction():
+                await replies.claim(conn, request)
+                v = await lifecycle.delete(self.app, conn, await self._instance_id(conn, body))
+                reply = instance_reply(v)
+                await replies.answered(conn, request, reply)
+        except replies.Answered as e:
+            return e.reply
         self.app.relay.kick()
-        return instance_reply(v)
+        return reply
 
     async def instance_show(self, body: InstanceShow, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn:
@@ -510,10 +616,17 @@ class Commands:
     # --- sleds ---
 
     async def sled_expunge(self, body: SledExpunge, msg: Msg) -> dict[str, Any]:
-        async with self.app.pool.acquire() as conn, conn.transaction():
-            failed = await lifecycle.expunge(self.app, conn, body.sled_id)
-            (sled,) = await sleds.announce(self.app, conn, {body.sled_id: "expunged"})
-        return {**sled.model_dump(mode="json"), "vmms_failed": failed}
+        request = replies.current()
+        try:
+            async with self.app.pool.acquire() as conn, conn.transaction():
+                await replies.claim(conn, request)
+                failed = await lifecycle.expunge(self.app, conn, body.sled_id)
+                (sled,) = await sleds.announce(self.app, conn, {body.sled_id: "expunged"})
+                reply = {**sled.model_dump(mode="json"), "vmms_failed": failed}
+                await replies.answered(conn, request, reply)
+        except replies.Answered as e:
+            return e.reply
+        return reply
 
     async def sled_list(self, body: SledList, msg: Msg) -> dict[str, Any]:
         rows = await self.app.pool.fetch(Q["sled_page"], *paging.after(body.after, 1), body.limit)

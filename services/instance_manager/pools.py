@@ -29,7 +29,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.instance_manager import lifecycle, limits, paging
+from services.instance_manager import lifecycle, limits, paging, replies
 from services.instance_manager.app import SOURCE, App, Q, instance_reply
 from services.instance_manager.create_saga import CREATE
 from services.instance_manager.start_saga import START, AlreadyRunning
@@ -113,8 +113,15 @@ class Pools:
         await bus.serve(self.app.nc, subjects.command_pattern("pool"), handlers, queue=SOURCE, admit=admit)
 
     async def create(self, body: PoolCreate, msg: Msg) -> dict[str, Any]:
+        try:
+            return await self._create(body, replies.current())
+        except replies.Answered as e:  # a copy of this create, sent again: the first's answer
+            return e.reply
+
+    async def _create(self, body: PoolCreate, request: replies.Request) -> dict[str, Any]:
         new_id = uuid.uuid4()
         async with self.app.pool.acquire() as conn, conn.transaction():
+            await replies.claim(conn, request)
             project = await conn.fetchrow(Q["project_by_name"], body.silo, body.project)
             if project is None:
                 raise bus.NotFound(f"no project {body.silo}/{body.project}")
@@ -129,9 +136,10 @@ class Pools:
                 raise bus.Conflict(f"pool {body.silo}/{body.project}/{body.name} already exists") from None
             if inserted == "INSERT 0 0":  # the project was deleted meanwhile (pool_insert)
                 raise bus.NotFound(f"no project {body.silo}/{body.project}")
-            v = await announce(self.app, conn, new_id, "created")
+            reply = (await announce(self.app, conn, new_id, "created")).model_dump(mode="json")
+            await replies.answered(conn, request, reply)
         self.keeper.kick()
-        return v.model_dump(mode="json")
+        return reply
 
     async def show(self, body: PoolShow, msg: Msg) -> dict[str, Any]:
         async with self.app.pool.acquire() as conn:
@@ -158,18 +166,35 @@ class Pools:
         return v.model_dump(mode="json")
 
     async def delete(self, body: PoolDelete, msg: Msg) -> dict[str, Any]:
-        """The pool goes at once; its idle VMs are retired by the keeper (handed-out ones stay)."""
-        async with self.app.pool.acquire() as conn, conn.transaction():
-            found = await pool_id(conn, body.silo, body.project, body.name)
-            await conn.execute(P["pool_delete"], found)
-            v = await announce(self.app, conn, found, "deleted")
+        """The pool goes at once; its idle VMs are retired by the keeper (handed-out ones stay). A copy
+        of the delete, sent again, gets the first's answer (replies.claim)."""
+        request = replies.current()
+        try:
+            async with self.app.pool.acquire() as conn, conn.transaction():
+                await replies.claim(conn, request)
+                found = await pool_id(conn, body.silo, body.project, body.name)
+                await conn.execute(P["pool_delete"], found)
+                reply = (await announce(self.app, conn, found, "deleted")).model_dump(mode="json")
+                await replies.answered(conn, request, reply)
+        except replies.Answered as e:
+            return e.reply
         self.keeper.kick()
-        return v.model_dump(mode="json")
+        return reply
 
-    async def pick(self, body: InstanceCreate) -> dict[str, Any] | None:
-        """Hand out an idle VM of the pool as the instance `body.name`, or None if the pool has none."""
+    async def pick(self, body: InstanceCreate, request: replies.Request = None) -> dict[str, Any] | None:
+        """Hand out an idle VM of the pool as the instance `body.name`, or None if the pool has none.
+        `request`: the create's, claimed first (replies.claim: a copy of it raises `Answered`), and
+        recorded with the pick; an empty pool's transaction rolls back, so its create claims it."""
+        assert body.from_pool is not None
+        try:
+            return await self._pick(body, request)
+        except _Empty:
+            return None
+
+    async def _pick(self, body: InstanceCreate, request: replies.Request) -> dict[str, Any]:
         assert body.from_pool is not None
         async with self.app.pool.acquire() as conn, conn.transaction():
+            await replies.claim(conn, request)
             found = await pool_id(conn, body.silo, body.project, body.from_pool)
             try:
                 picked = await conn.fetchval(P["pick"], found, body.name, body.auto_restart.value)
@@ -179,9 +204,10 @@ class Pools:
                 ) from None
             if picked is None:
                 telemetry.count("pool.empty")
-                return None
+                raise _Empty
             v = await self.app.instance_changed(conn, picked)
             await announce(self.app, conn, found, "picked", v)
+            await replies.answered(conn, request, instance_reply(v))
         telemetry.count("pool.picked")
         self.keeper.kick()
         return instance_reply(v)
@@ -191,6 +217,10 @@ class Pools:
         async with self.app.pool.acquire() as conn:
             v = await view(conn, await pool_id(conn, body.silo, body.project, body.from_pool))
         return v.vcpus, v.ram_bytes, v.disk_bytes
+
+
+class _Empty(Exception):
+    """The pool has no idle VM: the pick's transaction rolls back (and its claim of the request)."""
 
 
 @dataclass

@@ -7,6 +7,8 @@ held long):
 - finished sagas (done, or failed once unwound) and their events;
 - charge outcomes, except each instance's latest and those of an instance an unfinished saga works on
   (a charge step reads its outcome again after a crash);
+- commands' recorded answers (`command_replies`: what a copy of a command sent again gets), after an
+  hour (REPLIES_KEPT) or the retention if it is shorter;
 - ended VMM records, except each instance's latest, any an instance names as active or migration
   target, and any an unfinished saga names. The fences act on live records only (a report about an
   ended VMM changes nothing, with its record or without; an order about one is refused as stale), and a
@@ -34,6 +36,10 @@ from shared.db import PassLock, queries
 log = logging.getLogger(__name__)
 SQL = queries(Path(__file__).with_name("prune.sql"))
 PASS_LOCK = "instance-manager-prune"
+REPLIES_KEPT = 3600.0
+"""Seconds a command's recorded answer is kept (at most; less if the retention is shorter): far longer
+than any caller waits before sending a command again (its own timeout, seconds), and short enough that a
+busy rack's row a command does not pile up for the whole retention."""
 EVENTS_PER_SAGA = 10
 """About how many events a saga logs: a chunk of sagas is this much smaller than a chunk of rows."""
 
@@ -79,6 +85,8 @@ class Pruner:
             pruned = await self.sagas(cutoff)
             pruned["charge_outcomes"] = await self.charge_outcomes(cutoff)
             pruned["vmms"] = await self.vmms(cutoff)
+            replies_cutoff = await self.pool.fetchval(SQL["cutoff"], min(self.retention, REPLIES_KEPT))
+            pruned["command_replies"] = await self.command_replies(replies_cutoff)
         for table, n in pruned.items():
             if n:
                 telemetry.count(f"pruned.{table}", n)
@@ -122,6 +130,14 @@ class Pruner:
 
         async def step() -> int:
             return _deleted(await self.pool.execute(SQL["charge_outcomes_delete"], cutoff, self.chunk))
+
+        return await self._in_chunks(self.chunk, step)
+
+    async def command_replies(self, cutoff: datetime) -> int:
+        """Commands' recorded answers (for a copy sent again) made before `cutoff`."""
+
+        async def step() -> int:
+            return _deleted(await self.pool.execute(SQL["command_replies_delete"], cutoff, self.chunk))
 
         return await self._in_chunks(self.chunk, step)
 

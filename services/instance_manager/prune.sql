@@ -57,3 +57,9 @@ WHERE id IN (
     LIMIT $2
     FOR UPDATE OF v SKIP LOCKED
 );
+
+-- name: command_replies_delete
+-- Commands' recorded answers made before $1 (an hour ago: prune.REPLIES_KEPT), $2 at most: a caller
+-- sends a command again within its own timeout, seconds after the first.
+DELETE FROM command_replies
+WHERE request_id IN (SELECT request_id FROM command_replies WHERE created_at < $1 LIMIT $2);

@@ -255,7 +255,8 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         SimSledRemove: remove,
         SimSledAdd: add,
     }
-    await bus.serve(nc, "rp.sim.>", handlers, queue=SOURCE, check_silo=False)
+    # remember: a command sent again (its reply lost) gets the first's reply, not a second reboot or sled
+    await bus.serve(nc, "rp.sim.>", handlers, queue=SOURCE, check_silo=False, remember=1000)
 
 
 async def main(settings: Settings) -> None:

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections import abc
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Annotated, Any, TypeVar
+from enum import Enum
+from types import UnionType
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import to_json
@@ -173,6 +177,55 @@ class Model(BaseModel):
     def _storable(cls, value: Any) -> Any:
         return storable(value)
 
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """`_storable` on the fields that can hold a string, not on every field: a call per field and
+        message was most of what reading a provisioning delta (UUIDs and integers only) cost
+        (docs/benchmarks.md). Decided on each class's resolved fields, its inherited ones too."""
+        super().__pydantic_init_subclass__(**kwargs)
+        found = cls.__pydantic_decorators__.field_validators.get("_storable")
+        if found is None or _function(found.func) is not _function(Model._storable):
+            return  # a class with a rule of its own (the envelope)
+        fields: tuple[str, ...] = ("*",)  # what a parent narrowed to its fields is widened again first
+        if cls.__pydantic_complete__:  # otherwise its fields are not resolved yet: all are checked
+            text = tuple(name for name, f in cls.model_fields.items() if may_hold_text(f.annotation))
+            fields = fields if len(text) == len(cls.model_fields) else text
+        if found.info.fields != fields:
+            cls.__pydantic_decorators__.field_validators["_storable"] = replace(
+                found, info=replace(found.info, fields=fields, check_fields=False)
+            )
+            if cls.__pydantic_complete__:
+                cls.model_rebuild(force=True)
+
+
+def _function(f: Any) -> Any:
+    return getattr(f, "__func__", f)
+
+
+def may_hold_text(annotation: Any) -> bool:
+    """Whether a value of this type can hold a string anywhere (a dictionary's keys too): anything but
+    numbers, booleans, UUIDs, times, non-string enums and models (which check their own fields)."""
+    if annotation is None or annotation is type(None):
+        return False
+    if isinstance(annotation, type):
+        if issubclass(annotation, BaseModel):
+            return False
+        if issubclass(annotation, str):
+            return True
+        if issubclass(annotation, bool | int | float | uuid.UUID | datetime) or (
+            issubclass(annotation, Enum) and not issubclass(annotation, str)
+        ):
+            return False
+    args = get_args(annotation)
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return may_hold_text(args[0])
+    if origin is Literal:
+        return any(isinstance(a, str) for a in args)
+    if args and origin in (Union, UnionType, list, tuple, set, frozenset, dict, abc.Sequence, abc.Mapping):
+        return any(may_hold_text(a) for a in args if a is not Ellipsis)
+    return True  # Any, a bare container, or a type not known here: checked
+
 
 class Event(Model):
     """Events (and the views they carry) are read tolerantly: a field the reader does not know is ignored,
@@ -258,6 +311,24 @@ def envelope(body: Model, source: str, msg_id: uuid.UUID | None = None) -> Envel
 
 def encode(env: Envelope) -> bytes:
     return env.model_dump_json(by_alias=True).encode()
+
+
+def encode_envelope(body: Model, source: str, msg_id: uuid.UUID) -> bytes:
+    """`encode(envelope(body, source, msg_id))`, the same bytes, without building and validating the
+    envelope: its parts are the registry's, the caller's constant and an id, and the body is a validated
+    model already. A third of the cost, for the outbox's thousand events a batch (docs/benchmarks.md)."""
+    schema, version = schema_of(body)
+    return to_json(
+        {
+            "schema": schema,
+            "version": version,
+            "id": msg_id,
+            "source": source,
+            "time": datetime.now(UTC),
+            "data": body,
+        },
+        by_alias=False,
+    )
 
 
 def decode(raw: bytes, expect: type[Model] | tuple[type[Model], ...] | None = None) -> tuple[Envelope, Model]:

@@ -20,6 +20,9 @@ its last:
       BENCH_NAIVE (4,000) messages;
   (c') for scale, a hand-written consumer doing less (lock, fence, totals, the raw message into a table;
       no outcome published, no history), one delta per transaction, over as many.
+Beside (a) and (b), the CPU each process spent a message (/proc: this process, the "client", and
+nats-server for (a); accounting, PostgreSQL and nats-server for (b), from its first delivery): on a
+shared machine the wall-clock ratio moves with its load, and the CPU says what each side costs.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from shared.bus import MSG_ID
 from shared.db import OutboxRelay, create_pool
 from shared.messages import ProvisionDelta, Quota, decode, encode, envelope
 from tests.bench import UNLIMITED
+from tests.bench.processes import cpu_seconds, processes
 from tests.conftest import GiB, connect_as, eventually, private_rack, unique
 
 pytestmark = pytest.mark.bench
@@ -124,9 +128,22 @@ async def bare(js: Any, n: int, durable: str) -> float:
     return time.perf_counter() - (t0 or 0)
 
 
-async def drained(js: Any, admin: asyncpg.Connection) -> float:
+def cpu_now(stack: Any) -> dict[int, tuple[str, float]]:
+    """Each process of the stack (and this one, "client"): its name and the CPU seconds it has used."""
+    return {pid: (name, cpu_seconds(pid)) for name, pids in processes(stack).items() for pid in pids}
+
+
+def cpu_per_message(stack: Any, before: dict[int, tuple[str, float]], n: int, names: tuple[str, ...]) -> str:
+    """Microseconds of CPU a message, by process, since `before` (a process started since counts from 0)."""
+    used: dict[str, float] = {}
+    for pid, (name, now) in cpu_now(stack).items():
+        used[name] = used.get(name, 0.0) + now - before.get(pid, (name, 0.0))[1]
+    return ", ".join(f"{k} {used.get(k, 0.0) / n * 1e6:.0f}" for k in names) + " µs of CPU a message"
+
+
+async def drained(js: Any, admin: asyncpg.Connection, first: Callable[[], None] | None = None) -> float:
     """(b): seconds from the first delivery to accounting's durables until they hold nothing unacked and
-    its outbox is empty (every outcome published)."""
+    its outbox is empty (every outcome published); `first` is called at the first delivery."""
     names = [subjects.delta_durable(p) for p in range(subjects.DELTA_PARTITIONS)]
     t0 = None
     while True:
@@ -137,6 +154,8 @@ async def drained(js: Any, admin: asyncpg.Connection) -> float:
             continue
         if t0 is None and any(i.delivered.stream_seq for i in infos):
             t0 = time.perf_counter()
+            if first is not None:
+                first()
         if (
             t0 is not None
             and all(i.num_pending == 0 and i.num_ack_pending == 0 for i in infos)
@@ -299,20 +318,25 @@ async def test_accounting_drains_deltas_at_the_speed_of_the_broker() -> None:
                 stack.start_service("accounting")
                 if replicas == 2:
                     stack.start_service("accounting", replica="accounting-2")
-                b = await drained(js, admin)
+                since: list[dict[int, tuple[str, float]]] = []
+                b = await drained(js, admin, lambda: since.append(cpu_now(stack)))
+                ours = ("accounting", "accounting-2")[:replicas]
+                spent = cpu_per_message(stack, since[0], n, (*ours, "postgres", "nats-server"))
                 await eventually(lambda: totals(client, want), timeout=30)
                 counters = (await client.stats("accounting"))["counters"]
                 batches = sum(v for k, v in counters.items() if k.endswith(".batches"))
                 print(
                     f"(b) accounting, {replicas} replica(s): {n / b:8.0f} msg/s (totals exact; "
-                    f"{n / max(batches, 1):.0f} deltas a batch in the replica answering)"
+                    f"{n / max(batches, 1):.0f} deltas a batch in the replica answering)\n    {spent}"
                 )
                 return n / b
 
             rounds = []
             for r in range(ROUNDS):
+                before = cpu_now(stack)
                 a = n / await bare(js, n, f"bench-bare-{r}")
-                print(f"(a) bare fetch+ack:         {a:8.0f} msg/s")
+                spent = cpu_per_message(stack, before, n, ("client", "nats-server"))
+                print(f"(a) bare fetch+ack:         {a:8.0f} msg/s\n    {spent}")
                 rounds.append((a, await accounting(1)))
             a = statistics.median(x for x, _ in rounds)
             ratio = statistics.median(y / x for x, y in rounds)
