@@ -69,10 +69,15 @@ instance-manager has no room for yet (`busy`); neither did anything, so sending 
 JITTER = 0.5
 """A retry waits the time it was told plus up to this fraction more, at random: callers limited together
 do not all come back in the same millisecond."""
-ATTEMPT_SHARE = 0.5
+ATTEMPT_SHARE, ATTEMPT_MOST = 0.5, 12.0
 """One send waits at most this share of the client's timeout for its reply (the rest is for sending it
-again): with rackctl's 15 s, 7.5 s, most of what instance-manager takes to answer a command it holds
-(it answers a saga still running after 10 s, `commands.SAGA_REPLY_WAIT`)."""
+again), and never longer than ATTEMPT_MOST seconds: a service answers every command it holds within 10 s
+(instance-manager answers a saga still running then, `commands.SAGA_REPLY_WAIT`), so a reply not come
+by 12 s was lost, and waiting longer (rackctl's timeout is 60 s) only delays the resend."""
+NO_SERVICE_FOR = 5.0
+"""Seconds a command that no service answers (no subscriber at all: a single process restarting, or no
+stack) is sent again before the client says so: long enough for a process to come back, short enough
+that `rackctl` against a stack that is not running fails at once, not after its whole timeout."""
 RESEND_FIRST, RESEND_MOST = 0.1, 2.0
 """Seconds before the first resend of a command whose reply did not come, doubled at each, up to the
 most (jitter added): a broker node or a replica being replaced is back within seconds."""
@@ -139,7 +144,8 @@ class Client:
         (`conflict`, `not_found`, `stale`, ...) are answers, never sent again; `unavailable` from a service
         that cannot reach its database right now is sent again likewise (its transaction may or may not
         have committed: the copy finds out)."""
-        deadline = time.monotonic() + self.timeout
+        first = time.monotonic()
+        deadline = first + self.timeout
         request_id = uuid.uuid4()
         said_busy = said_resent = False
         resends = 0
@@ -154,7 +160,10 @@ class Client:
                     continue
                 wait = resend_after(resends)
                 resends += 1
-                if time.monotonic() + wait >= deadline:
+                no_service = isinstance(e, bus.NoReply) and e.code == "unavailable"  # no subscriber
+                if time.monotonic() + wait >= (
+                    min(deadline, first + NO_SERVICE_FOR) if no_service else deadline
+                ):
                     if e.code == "timeout":  # the whole wait, not the last send's
                         raise bus.NoReply(
                             "timeout", f"no reply on {subject} within {self.timeout:g}s"
@@ -180,7 +189,7 @@ class Client:
     async def _send_once(self, subject: str, body: Model, request_id: uuid.UUID, deadline: float) -> Any:
         """One send, waiting `attempt_share` of the timeout at most (what is left, if less); NoReply `lost`
         as soon as the connection is replaced while it waits (a reply meant for the old one is gone)."""
-        wait = max(min(deadline - time.monotonic(), self.timeout * self.attempt_share), 0.01)
+        wait = max(min(deadline - time.monotonic(), self.timeout * self.attempt_share, ATTEMPT_MOST), 0.01)
         reconnects = self.nc.stats["reconnects"]
         send = asyncio.ensure_future(
             bus.request(self.nc, subject, body, source=SOURCE, timeout=wait, request_id=request_id)

@@ -953,6 +953,8 @@ async def serve(
             return
         spawn(answer(msg))
 
+    if _STOPPING:
+        raise asyncio.CancelledError  # asked to stop before this subscription was made: none is
     sub = await nc.subscribe(subject, queue=queue, cb=on_msg)
     _SERVING.append((sub, tasks))
     return sub
@@ -960,20 +962,26 @@ async def serve(
 
 _SERVING: list[tuple[Any, set[asyncio.Task[Any]]]] = []
 """Every command subscription of this process, with the commands it has in hand (`stop_serving`)."""
+_STOPPING: list[bool] = []
+"""Non-empty once `stop_serving` ran: no command subscription is made after it."""
 
 
 async def stop_serving(within: float) -> None:
     """Take no more commands, and answer those in hand for up to `within` seconds: a process asked to stop
     leaves its queue group at once, so its peers (another replica) take every new command, and the
-    commands it took are answered rather than cut off (a caller would have to send them again)."""
+    commands it took are answered rather than cut off (a caller would have to send them again). Each
+    subscription is drained (nats-py: unsubscribe, a round trip to the server, then every message it had
+    delivered is handed over), so no command sent to this process before it left goes unanswered."""
+    _STOPPING.append(True)
     serving, _SERVING[:] = list(_SERVING), []
+    deadline = asyncio.get_running_loop().time() + within
     for sub, _ in serving:
         with suppress(Exception):  # the connection gone already: nothing more comes
-            await sub.unsubscribe()
+            await asyncio.wait_for(sub.drain(), max(deadline - asyncio.get_running_loop().time(), 0.1))
     in_hand = {t for _, tasks in serving for t in tasks}
     if in_hand:
-        log.info("stopping: answering the %d command(s) in hand (up to %gs)", len(in_hand), within)
-        await asyncio.wait(in_hand, timeout=within)
+        log.info("stopping: answering the %d command(s) in hand", len(in_hand))
+        await asyncio.wait(in_hand, timeout=max(deadline - asyncio.get_running_loop().time(), 0.1))
 
 
 async def _respond(msg: Msg, reply: Reply) -> None:

@@ -111,10 +111,11 @@ def stop_for(reason: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-STOP_GRACE = 5.0
-"""Seconds a process asked to stop spends answering the commands it has in hand: longer than most
-commands take (a start answers within a second or two), shorter than a supervisor's patience (`make
-run` and the tests kill after 30 s, Docker after 10 s)."""
+STOP_GRACE = 12.0
+"""Seconds a process asked to stop spends answering the commands it has in hand: longer than any command
+waits before it answers (instance-manager's SAGA_REPLY_WAIT, 10 s: a start answers `starting` then),
+shorter than a supervisor's patience (`make run` and the tests kill after 30 s; the compose files give
+the services 15 s, Docker's default being 10)."""
 
 
 async def stop_gracefully(task: asyncio.Task[None]) -> None:

@@ -13,7 +13,7 @@ import asyncpg
 from deploy.stack import Stack
 from rackctl.client import Client
 from shared import bus, subjects
-from shared.messages import InstanceStart
+from shared.messages import InstanceShow, InstanceStart
 from tests.conftest import GiB, assert_invariants, eventually, private_rack, unique, wait_state
 from tests.test_observability import fetch, scrape
 
@@ -81,10 +81,27 @@ async def test_a_replica_asked_to_stop_answers_the_commands_it_holds(
         send = [bus.request(client.nc, subject, b, source="test", timeout=20) for b in bodies]
         starts = [asyncio.ensure_future(s) for s in send]
         await asyncio.sleep(0.1)  # the starts taken by both replicas, their sagas under way
+        # and commands arriving all along, some of them while the replica leaves its queue group
+        shows, stopped = [], asyncio.Event()
+        show = subjects.command(silo, "instance", "show")
+
+        async def showing() -> None:
+            while not stopped.is_set():
+                body = InstanceShow(silo=silo, project=proj, name=names[len(shows) % len(names)])
+                shows.append(
+                    asyncio.ensure_future(bus.request(client.nc, show, body, source="test", timeout=20))
+                )
+                await asyncio.sleep(0.005)
+
+        sending = asyncio.ensure_future(showing())
+        await asyncio.sleep(0.1)
         second = stack.services[key]
         assert second.proc is not None
         second.proc.send_signal(signal.SIGTERM)
-        replies = await asyncio.gather(*starts, return_exceptions=True)
+        await asyncio.sleep(0.5)
+        stopped.set()
+        await sending
+        replies = await asyncio.gather(*starts, *shows, return_exceptions=True)
         failed = [r for r in replies if isinstance(r, BaseException)]
         assert not failed, failed
         await asyncio.to_thread(second.proc.wait, 30)

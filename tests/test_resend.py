@@ -8,6 +8,7 @@ test has seen it dropped; the client's next send is answered."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -16,9 +17,18 @@ import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from rackctl.client import Client
+from rackctl.client import NO_SERVICE_FOR, Client
 from shared import bus, subjects
-from shared.messages import InstanceCreate, RequestFault, ServiceFaults
+from shared.messages import (
+    InstanceCreate,
+    PoolDelete,
+    PoolResize,
+    PoolShow,
+    RequestFault,
+    ServiceFaults,
+    SiloLimitsSet,
+    StatsGet,
+)
 from tests.conftest import (
     GiB,
     assert_invariants,
@@ -293,3 +303,71 @@ async def _ready(stack: Stack, key: str) -> bool:
     except OSError:
         return False
     return status == 200
+
+
+async def test_a_resize_or_limits_sent_again_does_not_undo_a_later_change(
+    client: Client, db: asyncpg.Pool, stack: Stack
+) -> None:
+    """A copy of a resize (or of a silo's limits) arriving after another caller changed them again, as a
+    resend whose first reply was lost does: answered as the first was, and the later change stands."""
+    silo, proj = await new_project(client, "resend")
+    await client.pool_create(silo, proj, "warm", size=0, **SHAPE)
+    resize = subjects.command(silo, "pool", "resize")
+    first, later = uuid.uuid4(), uuid.uuid4()
+    answer = await bus.request(
+        client.nc,
+        resize,
+        PoolResize(silo=silo, project=proj, name="warm", size=1),
+        source="test",
+        request_id=first,
+    )
+    await bus.request(
+        client.nc,
+        resize,
+        PoolResize(silo=silo, project=proj, name="warm", size=0),
+        source="test",
+        request_id=later,
+    )
+    again = await bus.request(
+        client.nc,
+        resize,
+        PoolResize(silo=silo, project=proj, name="warm", size=1),
+        source="test",
+        request_id=first,
+    )
+    assert again == answer
+    shown = await client.call(
+        subjects.command(silo, "pool", "show"), PoolShow(silo=silo, project=proj, name="warm")
+    )
+    assert shown["target_size"] == 0, shown
+
+    fleet, first, later = subjects.command(None, "silo", "limits"), uuid.uuid4(), uuid.uuid4()
+    await bus.request(
+        client.nc, fleet, SiloLimitsSet(name=silo, instances=5), source="test", request_id=first
+    )
+    await bus.request(
+        client.nc, fleet, SiloLimitsSet(name=silo, instances=7), source="test", request_id=later
+    )
+    again = await bus.request(
+        client.nc, fleet, SiloLimitsSet(name=silo, instances=5), source="test", request_id=first
+    )
+    assert again["limits"]["instances"] == 7, again
+    await client.call(
+        subjects.command(silo, "pool", "delete"), PoolDelete(silo=silo, project=proj, name="warm")
+    )
+    await clean(stack, db, silo)
+
+
+async def test_a_command_no_service_answers_fails_within_seconds(stack: Stack) -> None:
+    """No process subscribed (no stack, or a single process restarting): sent again for a few seconds
+    (NO_SERVICE_FOR), then the one-line error, not after the client's whole timeout (rackctl's is 60 s)."""
+    c = await Client.connect(stack.nats_url, timeout=60)
+    try:
+        started = time.monotonic()
+        with pytest.raises(bus.CommandError) as e:
+            await c.call(subjects.stats("no-such-service"), StatsGet())
+        took = time.monotonic() - started
+    finally:
+        await c.close()
+    assert e.value.code == "unavailable" and "no service answers" in e.value.message, e.value
+    assert took < NO_SERVICE_FOR + 3, took  # not the client's 60 s

@@ -193,17 +193,25 @@ class Commands:
         }
 
     async def silo_limits_set(self, body: SiloLimitsSet, msg: Msg) -> dict[str, Any]:
-        async with self.app.pool.acquire() as conn:
-            found = await conn.fetchval(
-                Q["silo_limits_set"],
-                body.name,
-                body.projects,
-                body.instances,
-                body.pool_members,
-                body.command_rate,
-            )
-        if found is None:
-            raise bus.NotFound(f"no silo {body.name}")
+        """A copy sent again is not applied anew (replies.claim): it would undo limits another operator set
+        in between. It answers with the silo as it is now."""
+        request = replies.current()
+        try:
+            async with self.app.pool.acquire() as conn, conn.transaction():
+                await replies.claim(conn, request)
+                found = await conn.fetchval(
+                    Q["silo_limits_set"],
+                    body.name,
+                    body.projects,
+                    body.instances,
+                    body.pool_members,
+                    body.command_rate,
+                )
+                if found is None:
+                    raise bus.NotFound(f"no silo {body.name}")
+                await replies.answered(conn, request, {})
+        except replies.Answered:
+            return await self.silo_show(SiloShow(silo=body.name), msg)
         if body.command_rate is not None:
             self.limiter.rates[body.name] = float(body.command_rate)
         return await self.silo_show(SiloShow(silo=body.name), msg)
@@ -432,11 +440,13 @@ class Commands:
         shaped = body.model_copy(
             update={"vcpus": vcpus, "ram_bytes": ram, "disk_bytes": disk, "from_pool": None}
         )
-        await self._create(shaped, request)
-        started = await self._start(  # not refused busy: the create it follows is done; not recorded:
-            # a copy finds the instance starting or running, a start's no-op
+        created = await self._create(shaped, request)
+        if created.get("source") == "pool":  # a copy, after another copy picked from the pool refilled
+            return created
+        started = await self._start(  # not refused busy: the create it follows is done; recorded under
+            # an id of its own, derived, so that a copy awaits this start's saga rather than begin another
             InstanceStart(silo=body.silo, project=body.project, name=body.name),
-            None,
+            replies.derived(request, "start"),
             refuse_busy=False,
         )
         note = f"pool {body.from_pool} had no idle VM: created and started a new instance"
@@ -446,6 +456,8 @@ class Commands:
         try:
             saga_id, instance_id = await self._begin_create(body, request)
         except replies.Answered as e:
+            if e.saga_id is None:  # a copy of a create from a pool that picked (the pool was refilled)
+                return {**e.reply, "source": "pool"}
             return await self._saga_answer(e, "create")
         self.app.relay.kick()
         return await self._await_saga(saga_id, instance_id, "create")

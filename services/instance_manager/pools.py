@@ -157,13 +157,21 @@ class Pools:
         return paging.reply([v.model_dump(mode="json") for v in found], next_cursor)
 
     async def resize(self, body: PoolResize, msg: Msg) -> dict[str, Any]:
-        async with self.app.pool.acquire() as conn, conn.transaction():
-            found = await pool_id(conn, body.silo, body.project, body.name)
-            await within_limit(conn, body)
-            await conn.execute(P["pool_resize"], found, body.size)
-            v = await announce(self.app, conn, found, "resized")
+        """A copy sent again gets the first's answer (replies.claim), never applied anew: it would undo a
+        resize another caller made in between."""
+        request = replies.current()
+        try:
+            async with self.app.pool.acquire() as conn, conn.transaction():
+                await replies.claim(conn, request)
+                found = await pool_id(conn, body.silo, body.project, body.name)
+                await within_limit(conn, body)
+                await conn.execute(P["pool_resize"], found, body.size)
+                reply = (await announce(self.app, conn, found, "resized")).model_dump(mode="json")
+                await replies.answered(conn, request, reply)
+        except replies.Answered as e:
+            return dict(e.reply)
         self.keeper.kick()
-        return v.model_dump(mode="json")
+        return reply
 
     async def delete(self, body: PoolDelete, msg: Msg) -> dict[str, Any]:
         """The pool goes at once; its idle VMs are retired by the keeper (handed-out ones stay). A copy

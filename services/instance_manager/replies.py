@@ -51,6 +51,12 @@ def current() -> Request:
     return bus.REQUEST.get()
 
 
+def derived(request: Request, step: str) -> Request:
+    """The id of a command that `request` runs in its turn (the start of a create from an empty pool):
+    the same for every copy of `request`, so a copy finds that command's record too."""
+    return None if request is None else (uuid.uuid5(request[0], step), f"{request[1]}:{step}")
+
+
 async def claim(conn: asyncpg.Connection, request: Request) -> None:
     """Claim the command's id, first thing in its transaction; `Answered` if a copy already committed
     it, `invalid` if the id was used for another command."""
