@@ -24,14 +24,8 @@ async def test_a_charge_answered_through_the_other_replica_is_heard_at_once() ->
     async with private_rack("replicas", RACKPLANE_SLEDS="1") as (stack, client, db):
         stack.start_service("instance_manager", replica="instance-manager-2")
 
-        async def second_ready() -> bool:  # `wait_ready` asks the service, which either replica answers
-            try:
-                status, _ = await fetch(stack, "instance-manager-2", "/readyz")
-            except OSError:  # not listening yet
-                return False
-            return status == 200
-
-        await eventually(second_ready, timeout=30)
+        # not `wait_ready`: it asks the service, which either replica answers
+        await eventually(lambda: _ready(stack, "instance-manager-2"), timeout=30)
         silo, proj = unique("silo"), unique("proj")
         await client.silo_create(silo)
         await client.project_create(silo, proj)

@@ -128,6 +128,19 @@ async def _none(found: Any) -> bool:
     return not await found
 
 
+async def all_running(client: Client, silo: str, proj: str, acked: set[str], timeout: float) -> None:
+    """Every start answered ok ran (within `timeout`); else which did not, and their states."""
+
+    async def not_running() -> dict[str, str]:
+        views = await client.instance_list(silo, proj)
+        return {v["name"]: v["state"] for v in views if v["name"] in acked and v["state"] != "running"}
+
+    try:
+        await eventually(lambda: _none(not_running()), timeout=timeout)
+    except AssertionError:
+        raise AssertionError(f"acknowledged starts not running: {await not_running()}") from None
+
+
 def manifest(stack: Stack) -> dict[str, Any]:
     return dict(json.loads((stack.dir / "stack.json").read_text()))
 
@@ -215,14 +228,7 @@ async def test_starts_ride_through_the_loss_of_the_node_leading_a_stream(rack: R
     # the margin is for a loaded machine
     assert back - killed_at < CALL_TIMEOUT + 5, back - killed_at
 
-    async def not_running() -> dict[str, str]:
-        views = await client.instance_list(silo, proj)
-        return {v["name"]: v["state"] for v in views if v["name"] in acked and v["state"] != "running"}
-
-    try:  # every start answered ok ran
-        await eventually(lambda: _none(not_running()), timeout=30)
-    except AssertionError:
-        raise AssertionError(f"acknowledged starts not running: {await not_running()}") from None
+    await all_running(client, silo, proj, acked, timeout=30)
     every = [n for mine in names for n in mine]
     n = len(acked)
     await usage_is(client, {"vcpus": n, "ram_bytes": n * GiB, "disk_bytes": len(every) * GiB}, silo)

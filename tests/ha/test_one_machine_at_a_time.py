@@ -20,7 +20,7 @@ from deploy.nats_cluster import NatsCluster
 from deploy.patroni import PatroniCluster
 from rackctl.client import Client
 from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, unique, usage_is
-from tests.ha.test_broker_loss import SILENCE, Calls, _none, caller
+from tests.ha.test_broker_loss import SILENCE, Calls, all_running, caller
 from tests.test_cli import assert_ok
 from tests.test_usage_audit import audit
 
@@ -87,14 +87,7 @@ async def test_a_broker_node_then_the_database_primary_lost_while_starts_run(rac
     )
     assert acked, "no start was acknowledged"
 
-    async def not_running() -> dict[str, str]:
-        views = await client.instance_list(silo, proj)
-        return {v["name"]: v["state"] for v in views if v["name"] in acked and v["state"] != "running"}
-
-    try:  # every start answered ok ran
-        await eventually(lambda: _none(not_running()), timeout=60)
-    except AssertionError:
-        raise AssertionError(f"acknowledged starts not running: {await not_running()}") from None
+    await all_running(client, silo, proj, acked, timeout=60)
     n, every = len(acked), sum(len(mine) for mine in names)
     await usage_is(client, {"vcpus": n, "ram_bytes": n * GiB, "disk_bytes": every * GiB}, silo)
     await assert_invariants(db, timeout=60)
