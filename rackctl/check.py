@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -27,6 +29,8 @@ from shared.config import restart_backoff_max, restart_cooldown, settings, trans
 from shared.messages import (
     CHARGED_STATES,
     BadMessage,
+    InstanceChanged,
+    InstanceChangedV2,
     PoolChanged,
     SledInventory,
     VmmDestroy,
@@ -644,9 +648,11 @@ async def no_wrongful_kills(conn: asyncpg.Connection, boots: dict[str, list[dict
 async def no_running_vmm_called_stuck(conn: asyncpg.Connection, js: JetStreamContext) -> list[str]:
     """No VMM was failed as stuck (a start or a migration past the timeout) that its sled had said runs: each
     such failure names the sled's inventory it was judged on, by (boot, sequence), and none of the sled's
-    reports about that VMM made before that inventory (the sled's own order of its messages, no clock) may
-    say it was running. A failure without that evidence is a failure on a clock alone, which a late report
-    turns into a running VM destroyed."""
+    reports about that VMM made before that inventory in the same boot (the sled's own order of its
+    messages, no clock) may say it was running. A failure without that evidence is a failure on a clock
+    alone, which a late report turns into a running VM destroyed. A report of running from an earlier boot
+    does not count: a VMM cannot outlive its sled's boot, so one judged on a later boot's inventory was
+    gone already, and its failure destroyed nothing."""
     rows = await conn.fetch(
         """
         SELECT f.instance_id, f.vmm_id, f.sled_id, f.reason, f.proof_boot_number, f.proof_seq, f.at
@@ -657,7 +663,7 @@ async def no_running_vmm_called_stuck(conn: asyncpg.Connection, js: JetStreamCon
     )
     if not rows:
         return []
-    ran: dict[uuid.UUID, tuple[int, int]] = {}  # each VMM's earliest report of running, by (boot, seq)
+    ran: dict[tuple[uuid.UUID, int], int] = {}  # each VMM's earliest report of running in a boot: its seq
     wanted = {r["vmm_id"] for r in rows}
     for sled in sorted({r["sled_id"] for r in rows}):
         async for msg in stored.messages(js, subjects.SLED_REPORT_STREAM, subjects.sled_report(sled, "vmm")):
@@ -667,19 +673,19 @@ async def no_running_vmm_called_stuck(conn: asyncpg.Connection, js: JetStreamCon
                 continue
             assert isinstance(report, VmmReport)
             if report.vmm_id in wanted and report.sled_id == sled and report.state is VmmState.running:
-                mark = (report.boot_number, report.seq)
-                ran[report.vmm_id] = min(ran.get(report.vmm_id, mark), mark)
+                key = (report.vmm_id, report.boot_number)
+                ran[key] = min(ran.get(key, report.seq), report.seq)
     out = []
     for r in rows:
         what = f"VMM {r['vmm_id']} of instance {r['instance_id']} was failed at {r['at'].isoformat()}"
         what += f" ({r['reason']})"
         if r["proof_seq"] is None:
             out.append(f"{what} with no inventory of {r['sled_id']} as evidence: on a clock alone")
-        elif (mark := ran.get(r["vmm_id"])) is not None and mark < (r["proof_boot_number"], r["proof_seq"]):
+        elif (seq := ran.get((r["vmm_id"], r["proof_boot_number"]))) is not None and seq < r["proof_seq"]:
             out.append(
                 f"{what} on {r['sled_id']}'s inventory (boot {r['proof_boot_number']}, seq "
-                f"{r['proof_seq']}), though the sled had reported it running before (boot {mark[0]}, "
-                f"seq {mark[1]}): a late report, not a stuck VMM"
+                f"{r['proof_seq']}), though the sled had reported it running before (boot "
+                f"{r['proof_boot_number']}, seq {seq}): a late report, not a stuck VMM"
             )
     return out
 
@@ -696,6 +702,133 @@ def recent_dead_letters(depth: dlq.Depth) -> list[str]:
         f"newest, {d.seq} at {d.time.isoformat()}: {d.service}/{d.consumer} on {d.subject}: {d.reason} "
         "(rackctl dlq list)"
     ]
+
+
+# --- what the operator was told (at rest) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A command an operator sent, and what came of it: an ok reply (`acked`, with the state and generation
+    it gave, for an instance), or no reply at all (not `acked`: it may or may not have run). A command
+    refused with an answer did nothing and is not kept."""
+
+    seq: int
+    """The order in which the commands were sent."""
+    verb: str
+    """One of VERBS."""
+    silo: str
+    project: str | None
+    name: str
+    """The silo's, the project's or the instance's name."""
+    acked: bool
+    state: str | None = None
+    generation: int | None = None
+
+    def line(self) -> str:
+        told = f"answered {self.state} at generation {self.generation}" if self.state else "answered ok"
+        where = "/".join(x for x in (self.silo, self.project) if x and x != self.name)
+        return f"{self.verb} {where + '/' if where else ''}{self.name} (#{self.seq}, {told})"
+
+
+VERBS = ("silo create", "project create", "instance create", "instance delete", "instance start",
+         "instance stop")  # fmt: skip
+ENDED = ("stopped", "failed", "destroyed")
+"""The states in which a stop has ended (a VMM that failed or an instance deleted meanwhile ended too)."""
+
+
+async def no_acknowledged_command_lost(
+    conn: asyncpg.Connection, js: JetStreamContext, sent: Sequence[Sent]
+) -> list[str]:
+    """At rest, every command that got an ok reply has its effect: whatever machine was lost meanwhile, what
+    the operator was told stays true.
+
+    - a silo or project created exists;
+    - an instance created (or picked from a pool) exists, unless a delete of it was sent (a delete without
+      a reply may have run); one answered `creating` (its saga still running) has a record, live or not;
+    - an instance deleted is gone (no live instance of its name);
+    - an instance whose reply gave generation G has a record at generation G or later (a change the
+      operator saw is never rolled back);
+    - a start answered `running` at G ran: the instance's history (its `instance.changed` events, which
+      its transactions publish through the outbox) shows it running at G or later; one answered
+      `starting` at G came to an end: running, stopped, failed or destroyed after G;
+    - a stop answered `stopping` or `stopped` at G ended: its history shows it stopped, failed or
+      destroyed at G or later."""
+    acked = [s for s in sent if s.acked]
+    deleting = {(s.silo, s.project, s.name) for s in sent if s.verb == "instance delete"}
+    silos = {
+        r["name"]
+        for r in await conn.fetch("SELECT name FROM instance_manager.silos WHERE deleted_at IS NULL")
+    }
+    projects = {
+        (r["silo"], r["name"])
+        for r in await conn.fetch(
+            "SELECT s.name AS silo, p.name FROM instance_manager.projects p "
+            "JOIN instance_manager.silos s ON s.id = p.silo_id WHERE p.deleted_at IS NULL"
+        )
+    }
+    records: dict[tuple[str, str | None, str], list[Any]] = collections.defaultdict(list)
+    for r in await conn.fetch(
+        "SELECT s.name AS silo, p.name AS project, i.name, i.id, i.state, i.generation "
+        "FROM instance_manager.instances i JOIN instance_manager.projects p ON p.id = i.project_id "
+        "JOIN instance_manager.silos s ON s.id = p.silo_id WHERE s.name = ANY($1::text[])",
+        sorted({s.silo for s in acked if s.verb.startswith("instance")}),
+    ):
+        records[r["silo"], r["project"], r["name"]].append(r)
+    history = await _instance_history(
+        js, {s.silo for s in acked if s.verb in ("instance start", "instance stop")}
+    )
+    out = []
+    for s in acked:
+        key = (s.silo, s.project, s.name)
+        mine = records.get(key, [])
+        live = [r for r in mine if r["state"] != "destroyed"]
+        if s.verb == "silo create":
+            out += [f"{s.line()}: no such silo"] if s.name not in silos else []
+            continue
+        if s.verb == "project create":
+            out += [f"{s.line()}: no such project"] if (s.silo, s.name) not in projects else []
+            continue
+        if not mine:
+            out.append(f"{s.line()}: no record of the instance")
+            continue
+        if s.verb == "instance create" and not live and key not in deleting and s.state != "creating":
+            out.append(f"{s.line()}: destroyed, and no delete of it was sent")
+        elif s.verb == "instance delete" and live:
+            out.append(f"{s.line()}: still {live[0]['state']}")
+        if s.generation is None:
+            continue
+        if (had := max(r["generation"] for r in mine)) < s.generation:
+            out.append(f"{s.line()}: its record is at generation {had}, before what the reply gave")
+            continue
+        seen = [h for r in mine for h in history.get(str(r["id"]), [])]
+        if s.verb == "instance start" and s.state == "running":
+            if not any(g >= s.generation and st == "running" for g, st in seen):
+                out.append(f"{s.line()}: its history shows it running at no generation from then on")
+        elif s.verb == "instance start" and s.state == "starting":
+            if not any(g > s.generation and st in ("running", *ENDED) for g, st in seen):
+                out.append(f"{s.line()}: its history shows the start never came to an end")
+        elif s.verb == "instance stop" and s.state in ("stopping", "stopped"):
+            if not any(g >= s.generation and st in ENDED for g, st in seen):
+                out.append(f"{s.line()}: its history shows it stopped at no generation from then on")
+    return out
+
+
+async def _instance_history(js: JetStreamContext, silos: set[str]) -> dict[str, list[tuple[int, str]]]:
+    """Each instance's (generation, state) changes, as its `instance.changed` events tell them: v2 and v1
+    both (a replica of an earlier release, in a rolling upgrade, sends v1 alone)."""
+    out: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+    for silo in sorted(silos):
+        for version, schema in ((1, InstanceChanged), (2, InstanceChangedV2)):
+            subject = subjects.event(silo, "instance", "changed", version=version)
+            async for msg in stored.messages(js, subjects.EVENTS_STREAM, subject):
+                try:
+                    _, event = decode(msg.data or b"", schema)
+                except BadMessage:
+                    continue
+                assert isinstance(event, InstanceChanged | InstanceChangedV2)
+                out[str(event.instance.id)].append((event.instance.generation, str(event.instance.state)))
+    return out
 
 
 def _age(seconds: float) -> str:
@@ -722,10 +855,12 @@ async def check(
     at_rest: bool = True,
     js: JetStreamContext | None = None,
     nc: NATS | None = None,
+    sent: Sequence[Sent] | None = None,
 ) -> list[str]:
     """Every check's violations. With `js`, the broker checks too (at rest only); with `nc` as well, the
-    failures the control plane made are held against the simulated sleds' boot history."""
-    found = await check_each(conn, at_rest=at_rest, js=js, nc=nc)
+    failures the control plane made are held against the simulated sleds' boot history; with `js` and
+    `sent` (the commands a caller sent, and their replies), what it was told is held against the rack."""
+    found = await check_each(conn, at_rest=at_rest, js=js, nc=nc, sent=sent)
     return [line for lines in found.values() for line in lines]
 
 
@@ -735,6 +870,7 @@ async def check_each(
     at_rest: bool = True,
     js: JetStreamContext | None = None,
     nc: NATS | None = None,
+    sent: Sequence[Sent] | None = None,
 ) -> dict[str, list[str]]:
     """Each check that ran, by name, with its violations (empty where it holds)."""
     out: dict[str, list[str]] = {}
@@ -750,10 +886,13 @@ async def check_each(
         out["no_running_vmm_called_stuck"] = await no_running_vmm_called_stuck(conn, js)
     if at_rest and nc is not None and (boots := await sled_boots(nc)) is not None:
         out["no_wrongful_kills"] = await no_wrongful_kills(conn, boots)
+    if at_rest and js is not None and sent is not None:
+        out["no_acknowledged_command_lost"] = await no_acknowledged_command_lost(conn, js, sent)
     return out
 
 
-def names(*, at_rest: bool = True, broker: bool = True) -> list[str]:
-    """The checks `check` runs with these options, by name."""
+def names(*, at_rest: bool = True, broker: bool = True, sent: bool = False) -> list[str]:
+    """The checks `check` runs with these options, by name (`sent`: given the commands a caller sent)."""
     chosen: tuple[Any, ...] = ALWAYS + (AT_REST + (BROKER_AT_REST if broker else ()) if at_rest else ())
-    return [f.__name__ for f in chosen]
+    told = (no_acknowledged_command_lost,) if at_rest and broker and sent else ()
+    return [f.__name__ for f in chosen + told]

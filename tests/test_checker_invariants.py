@@ -192,23 +192,28 @@ async def test_an_overdue_automatic_restart_is_reported(rack: Rack) -> None:
 async def test_a_vmm_failed_as_stuck_though_its_sled_said_it_ran_is_reported(rack: Rack) -> None:
     """Finding 1: a start failed as stuck on a clock alone, while the sled's report that it ran was late,
     destroys a running VM. `no_running_vmm_called_stuck` names a stuck failure that has no inventory of
-    its sled as evidence, and one whose evidence comes after the sled's own report that the VMM ran."""
+    its sled as evidence, and one whose evidence comes after the sled's own report that the VMM ran in the
+    same boot; not one judged on a later boot's inventory (the VMM was gone with the boot it ran in)."""
     silo, proj = await new_project(rack.client)
     v = await running(rack, silo, proj, "late")
     vmm, sled, boot = uuid.UUID(v["active_vmm_id"]), v["sled_id"], v["vmm_boot_number"]
     record = (
         "INSERT INTO instance_manager.failures (instance_id, vmm_id, sled_id, kind, reason, vmm_boot_number, "
-        "proof_boot_number, proof_seq) VALUES ($1, $2, $3, 'stuck', 'starting for over 4s', $4, $4, $5)"
+        "proof_boot_number, proof_seq) VALUES ($1, $2, $3, 'stuck', 'starting for over 4s', $4, $5, $6)"
     )
-    for proof_seq, said in (
-        (None, "as evidence: on a clock alone"),
-        (2**40, "a late report, not a stuck VMM"),
+    for proof_boot, proof_seq, said in (
+        (boot, None, "as evidence: on a clock alone"),
+        (boot, 2**40, "a late report, not a stuck VMM"),
+        (boot + 1, 1, None),
     ):
-        await rack.admin.execute(record, uuid.UUID(v["id"]), vmm, sled, boot, proof_seq)
+        await rack.admin.execute(record, uuid.UUID(v["id"]), vmm, sled, boot, proof_boot, proof_seq)
         try:
             lines = await found(rack, str(vmm))
         finally:
             await rack.admin.execute("DELETE FROM instance_manager.failures WHERE vmm_id = $1", vmm)
+        if said is None:
+            assert not lines, lines
+            continue
         assert len(lines) == 1 and lines[0].startswith(f"VMM {vmm} of instance {v['id']} was failed at"), (
             lines
         )

@@ -15,6 +15,13 @@ refuses their starts. Then every fault is lifted, the system is left to settle, 
 the invariant checker must find nothing. The report counts the faults each process injected (its
 counters, sampled every second) and the scenario's own. Every choice comes from one seed, so a run's
 sequence of operations can be replayed (the timing, on a real machine, cannot be).
+
+On the stack of `make run HA=1` (RACKPLANE_HA=1: three broker nodes, PostgreSQL under Patroni, two
+processes of each service) the weather loses one machine at a time instead of restarting the one broker
+and the one database: a broker node killed with SIGKILL (half the time the one leading a stream), the
+database primary's whole node (Patroni and its PostgreSQL; it rejoins as the standby), one service process
+(kill -9, as in the one-machine soak); never two at once. Every command the workers sent is kept with its
+reply, and at rest `no_acknowledged_command_lost` holds each ok reply against the rack (rackctl/check.py).
 """
 
 from __future__ import annotations
@@ -31,8 +38,11 @@ from typing import Any
 import asyncpg
 import nats.errors
 
+from deploy.identities import ACCOUNT
+from deploy.nats_cluster import NatsCluster
+from deploy.patroni import PatroniCluster
 from deploy.stack import Stack
-from rackctl.check import check_each
+from rackctl.check import Sent, check_each
 from rackctl.client import Client
 from shared import bus, subjects
 from shared.bus import CommandError
@@ -90,11 +100,39 @@ WEATHER = ("instance-manager", "accounting", "recovery", "sled-agent")
 LONG_OUTAGES = 2
 """At most this many broker outages longer than the dedupe window in one run (each holds the rack still)."""
 
+HA_ENV = {"RACKPLANE_HA": "1", "RACKPLANE_SLED_UNKNOWN_AFTER": "15"}
+"""The HA soak's stack: `make run HA=1`'s. A sled counts as silent once no inventory of it was applied for
+longer than the broker takes to elect new stream leaders (some 5 to 10 s), as in tests/ha: otherwise each
+broker node's loss would take every sled out of placement."""
+ONE_MACHINE_OPS = ("kill", "kill_broker", "restart_broker", "long_outage", "restart_database")
+"""The one broker's and the one database's restarts and outages, and the kill -9 of a service: on the HA
+stack, the losses of one machine at a time (LOSSES) take their place."""
+LOSSES = {"kill_broker_node": 3, "kill": 4, "kill_db_primary": 1}
+"""The HA soak's losses, drawn one after another by `machine_weather`: a broker node, a service process,
+the database primary's node."""
+LOSS_GAP = (2.0, 8.0)
+"""Seconds between the end of one loss (the machine back whole) and the next."""
+PRIMARY_KILL_EVERY = 300.0
+"""At most one loss of the database primary's node per this many seconds of run: writes stop for up to
+the leader TTL (20 s) each time, which is about the database downtime of the one-machine soak's restarts."""
+KILLS = (
+    "kill -9", "broker_kill -9", "broker_restart", "broker outage past the dedupe window", "database_restart",
+    "broker node killed", "broker node killed (stream leader)", "database primary's node killed",
+)  # fmt: skip
+"""The faults that take a process or a machine away: the summary counts them on a line of their own."""
+
+
+def ha_weights(weights: dict[str, int]) -> dict[str, int]:
+    """The workers' operations in the HA soak: the one-machine restarts and kills left to
+    `machine_weather`."""
+    return {op: w for op, w in weights.items() if op not in ONE_MACHINE_OPS}
+
 
 @dataclass
 class Report:
     seed: int
     duration: float
+    ha: bool = False
     ops: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
@@ -107,10 +145,17 @@ class Report:
         def counts(c: Counter[str]) -> str:
             return f"{sum(c.values())}  " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
 
+        total = sum(self.ops.values())
+        unavailable, timeout = self.outcomes["error:unavailable"], self.outcomes["error:timeout"]
+        share = (unavailable + timeout) / total if total else 0.0
+        kills = Counter({k: n for k, n in self.faults.items() if k in KILLS})
         lines = [
-            f"chaos seed={self.seed} duration={self.duration:g}s",
+            f"chaos seed={self.seed} duration={self.duration:g}s{' HA' if self.ha else ''}",
             f"  operations: {counts(self.ops)}",
             f"  outcomes: {counts(self.outcomes)}",
+            f"  failed as unavailable or timed out: {unavailable + timeout} of {total} operations "
+            f"({share:.1%}): unavailable {unavailable}, timed out {timeout}",
+            f"  kills and restarts: {counts(kills)}",
             f"  faults injected: {counts(self.faults)}",
             f"  invariants checked: {len(self.invariants)}  "
             + ", ".join(f"{k} {v}" for k, v in sorted(self.invariants.items())),
@@ -134,6 +179,8 @@ class Scenario:
     """Violations not held against the run (a replica of an earlier release beside today's does what that
     release did)."""
     report: Report = field(init=False)
+    sent: list[Sent] = field(default_factory=list)
+    """Every command on a silo, project or instance the run sent, with its reply (or none)."""
     names: list[str] = field(default_factory=list)
     expunged: set[str] = field(default_factory=set)
     shrunk: set[str] = field(default_factory=set)
@@ -143,9 +190,30 @@ class Scenario:
     _infra: asyncio.Lock = field(default_factory=asyncio.Lock)
     _weather: dict[str, asyncio.Lock] = field(default_factory=dict)
     _seen: dict[tuple[str, str], int] = field(default_factory=dict)
+    _sends: int = 0
 
     def __post_init__(self) -> None:
-        self.report = Report(self.seed, self.duration)
+        self.report = Report(self.seed, self.duration, ha=self.stack.ha)
+
+    async def told(self, verb: str, silo: str, project: str | None, name: str, call: Any) -> Any:
+        """Send a command and keep what its reply said (`sent`): an ok reply, or none at all (a timeout, or
+        the worker's bound: it may have run); a refusal did nothing and is not kept."""
+        seq = self._sends
+        self._sends += 1
+        try:
+            reply = await call
+        except CommandError as e:
+            if e.code == "timeout":
+                self.sent.append(Sent(seq, verb, silo, project, name, acked=False))
+            raise
+        except (TimeoutError, asyncio.CancelledError):
+            self.sent.append(Sent(seq, verb, silo, project, name, acked=False))
+            raise
+        data = reply if isinstance(reply, dict) else {}
+        self.sent.append(
+            Sent(seq, verb, silo, project, name, True, data.get("state"), data.get("generation"))
+        )
+        return reply
 
     def note(self, worker: int, op: str, target: str, outcome: str) -> None:
         self.report.log.append(
@@ -153,8 +221,8 @@ class Scenario:
         )
 
     async def setup(self) -> None:
-        await self.client.silo_create(SILO)
-        await self.client.project_create(SILO, PROJECT)
+        await self.told("silo create", SILO, None, SILO, self.client.silo_create(SILO))
+        await self.told("project create", SILO, None, PROJECT, self.client.project_create(SILO, PROJECT))
         await self.client.pool_create(SILO, PROJECT, POOL, size=3, vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
         await self.client.silo_create(TIGHT, Quota(vcpus=TIGHT_QUOTA))
         await self.client.project_create(TIGHT, PROJECT)
@@ -172,9 +240,15 @@ class Scenario:
         ]
         background.append(asyncio.create_task(self.sled_weather(random.Random(f"{self.seed}/sleds"))))
         background.append(asyncio.create_task(self.sample_faults()))
+        losses = random.Random(f"{self.seed}/ha")
+        machines = asyncio.create_task(self.machine_weather(losses)) if self.stack.ha else None
         try:
             await asyncio.gather(*(self.worker(w) for w in range(self.workers)))
+            if machines is not None:
+                await machines  # the loss under way ends with its machine back whole
         finally:
+            if machines is not None:
+                background.append(machines)
             for t in background:
                 t.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -209,19 +283,24 @@ class Scenario:
         name = f"c-{self._next}"
         self.names.append(name)
         policy = rng.choice(list(AutoRestart))
-        await self.client.instance_create(
+        create = self.client.instance_create(
             SILO, PROJECT, name, vcpus=rng.randint(1, 2), ram_bytes=GiB, disk_bytes=GiB, auto_restart=policy
         )
+        await self.told("instance create", SILO, PROJECT, name, create)
         return name
 
     async def op_start(self, rng: random.Random) -> str:
         name = self._pick_name(rng)
-        await self.client.instance("start", SILO, PROJECT, name)
+        await self.told(
+            "instance start", SILO, PROJECT, name, self.client.instance("start", SILO, PROJECT, name)
+        )
         return name
 
     async def op_stop(self, rng: random.Random) -> str:
         name = self._pick_name(rng)
-        await self.client.instance("stop", SILO, PROJECT, name)
+        await self.told(
+            "instance stop", SILO, PROJECT, name, self.client.instance("stop", SILO, PROJECT, name)
+        )
         return name
 
     async def op_migrate(self, rng: random.Random) -> str:
@@ -231,14 +310,16 @@ class Scenario:
 
     async def op_delete(self, rng: random.Random) -> str:
         name = self._pick_name(rng)
-        await self.client.instance("delete", SILO, PROJECT, name)
+        delete = self.client.instance("delete", SILO, PROJECT, name)
+        await self.told("instance delete", SILO, PROJECT, name, delete)
         return name
 
     async def op_pick(self, rng: random.Random) -> str:
         self._next += 1
         name = f"p-{self._next}"
         self.names.append(name)
-        reply = await self.client.instance_from_pool(SILO, PROJECT, name, POOL)
+        pick = self.client.instance_from_pool(SILO, PROJECT, name, POOL)
+        reply = await self.told("instance create", SILO, PROJECT, name, pick)
         return f"{name} ({reply['source']})"
 
     # --- sleds ---
@@ -594,6 +675,8 @@ class Scenario:
         """kill -9 of any service process (a replica, one at another release's code, included), started
         again a moment later from the same tree."""
         name = rng.choice(list(self.stack.services))
+        if self.stack.ha and self._infra.locked():
+            return "(another machine is down)"
         async with self._infra:
             svc = self.stack.services[name]
             svc.kill()
@@ -644,6 +727,68 @@ class Scenario:
         self.report.faults["database_restart"] += 1
         return "postgres"
 
+    async def machine_weather(self, rng: random.Random) -> None:
+        """The HA soak's losses of one machine, one after another for the whole run: each (LOSSES) lasts
+        until its machine is back whole, then LOSS_GAP passes before the next."""
+        ops, weights = zip(*LOSSES.items(), strict=True)
+        while time.monotonic() - self._start < self.duration:
+            await asyncio.sleep(rng.uniform(*LOSS_GAP))
+            op = rng.choices(ops, weights)[0]
+            target = await getattr(self, f"op_{op}")(rng)
+            self.report.log.append(f"t={time.monotonic() - self._start:7.2f} machines {op} {target}")
+
+    async def op_kill_broker_node(self, rng: random.Random) -> str:
+        """One broker node killed with SIGKILL, half the time the one leading a stream (by the stream's
+        cluster leader), and started again 1 to 12 s later: the other two keep every stream (three
+        replicas) and elect new leaders for what it led. The next machine is lost only once the cluster
+        is whole again."""
+        cluster = self.stack.nats
+        assert isinstance(cluster, NatsCluster)
+        if self._infra.locked():
+            return "(another machine is down)"
+        async with self._infra:
+            stream = rng.choice(sorted(subjects.STREAMS)) if rng.random() < 0.5 else None
+            leader = await asyncio.to_thread(cluster.stream_leader, stream, ACCOUNT) if stream else None
+            node = leader if leader is not None else rng.randrange(len(cluster.nodes))
+            await asyncio.to_thread(cluster.kill, node)
+            self.report.faults["broker node killed" + (" (stream leader)" if leader is not None else "")] += 1
+            try:
+                await asyncio.sleep(rng.uniform(1, 12))
+            finally:
+                await asyncio.to_thread(cluster.start_node, node)
+                await asyncio.to_thread(cluster.wait_meta_leader)
+        led = f", leading {stream}" if leader is not None else ""
+        return f"{cluster.nodes[node].name}{led}"
+
+    async def op_kill_db_primary(self, rng: random.Random) -> str:
+        """The database primary's whole node killed (Patroni and its PostgreSQL, SIGKILL): the synchronous
+        standby is promoted once the leader's lock expires (TTL 20 s), with every acknowledged commit.
+        The old primary starts again a while after and rejoins as the standby; the next machine is lost
+        only once it streams. At most one such loss per PRIMARY_KILL_EVERY seconds of run."""
+        pg = self.stack.postgres
+        assert isinstance(pg, PatroniCluster)
+        if self._infra.locked():
+            return "(another machine is down)"
+        if self.report.faults["database primary's node killed"] >= max(
+            1, self.duration // PRIMARY_KILL_EVERY
+        ):
+            return "(enough failovers this run)"
+        async with self._infra:
+            old = await asyncio.to_thread(pg.primary)
+            if old is None:
+                return "(no primary now)"
+            await asyncio.to_thread(pg.kill_node, old)
+            self.report.faults["database primary's node killed"] += 1
+            self.stack.write_manifest()
+            try:
+                new = await asyncio.to_thread(pg.wait_primary, pg.ttl + 15, old)
+                await asyncio.sleep(rng.uniform(2, 10))
+            finally:
+                await asyncio.to_thread(pg.start_node, old)
+                self.stack.write_manifest()
+                await asyncio.to_thread(pg.wait_standby, old, 90)
+        return f"{pg.members[old].name}, {pg.members[new].name} promoted"
+
     # --- the end of a run ---
 
     async def quiesce(self, settle_for: float = 120) -> None:
@@ -651,6 +796,7 @@ class Scenario:
         for svc in self.stack.services.values():
             if not svc.alive:
                 svc.start()
+        await asyncio.to_thread(self.whole)
         await asyncio.to_thread(self.stack.wait_ready)
         await self.client.clear_faults()
         for sled in await self.client.sim_sled("list"):
@@ -659,7 +805,9 @@ class Scenario:
         deadline = time.monotonic() + settle_for
         while True:
             async with self.db.acquire() as conn:
-                found = await check_each(conn, at_rest=True, js=self.client.nc.jetstream(), nc=self.client.nc)
+                found = await check_each(
+                    conn, at_rest=True, js=self.client.nc.jetstream(), nc=self.client.nc, sent=self.sent
+                )
             found = {name: [x for x in lines if not self.excused(x)] for name, lines in found.items()}
             violations = [line for lines in found.values() for line in lines]
             if not violations or time.monotonic() > deadline:
@@ -667,6 +815,20 @@ class Scenario:
             await asyncio.sleep(1)
         self.report.violations = violations
         self.report.invariants = {name: len(lines) for name, lines in found.items()}
+
+    def whole(self) -> None:
+        """Every broker and database node up (a loss is undone by the operation that made it; this is
+        for one cut short by an error)."""
+        if isinstance(self.stack.nats, NatsCluster):
+            for i, node in enumerate(self.stack.nats.nodes):
+                if not node.alive:
+                    self.stack.nats.start_node(i)
+            self.stack.nats.wait_meta_leader()
+        if isinstance(self.stack.postgres, PatroniCluster):
+            for i, member in enumerate(self.stack.postgres.members):
+                if not member.alive:
+                    self.stack.postgres.start_node(i)
+            self.stack.postgres.wait_primary()
 
 
 def service_fault(rng: random.Random, service: str) -> ServiceFaults:
