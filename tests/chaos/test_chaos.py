@@ -16,6 +16,12 @@ from tests import release
 from tests.chaos.scenario import CHAOS_ENV, HA_ENV, SELF_HARM, WEIGHTS, Scenario, ha_weights
 from tests.conftest import instance_changes, private_rack
 
+CLIENT_TIMEOUT = 15.0
+"""The workers' client's timeout, within which it sends again a command whose reply was lost (as
+rackctl's does within its 60 s): an operation the soak counts as timed out is one an operator would have
+waited on for a long time. A database failover refuses writes for about 20 s, longer than this: commands
+sent early in it still fail, as `unavailable`, and are counted."""
+
 
 async def run(
     seed: int, duration: float, old: Path | None = None, beside: tuple[str, ...] = (), ha: bool = False
@@ -26,7 +32,11 @@ async def run(
     its failures of stuck starts on a clock alone, which today's never makes: `earlier_stuck_failure`).
     With `ha`, on the stack of `make run HA=1`, under its weather (scenario.py, `ha_weights`)."""
     env = CHAOS_ENV | (HA_ENV if ha else {})
-    async with private_rack("chaos-ha" if ha else "chaos", timeout=5, **env) as (stack, client, db):
+    async with private_rack("chaos-ha" if ha else "chaos", timeout=CLIENT_TIMEOUT, **env) as (
+        stack,
+        client,
+        db,
+    ):
         for name in beside:
             assert old is not None
             stack.start_service(name, replica=f"{name}-old", root=old)
