@@ -45,7 +45,7 @@ from deploy.stack import Stack
 from rackctl.check import Sent, check_each
 from rackctl.client import Client
 from shared import bus, subjects
-from shared.bus import CommandError
+from shared.bus import CommandError, NoReply
 from shared.messages import (
     AutoRestart,
     DelayFault,
@@ -197,13 +197,15 @@ class Scenario:
 
     async def told(self, verb: str, silo: str, project: str | None, name: str, call: Any) -> Any:
         """Send a command and keep what its reply said (`sent`): an ok reply, or none at all (a timeout, or
-        the worker's bound: it may have run); a refusal did nothing and is not kept."""
+        the worker's bound: it may have run), or `unavailable` (the service lost its database under the
+        transaction, whose commit may have landed, and every resend met the database still away: it may
+        have run too); a refusal did nothing and is not kept."""
         seq = self._sends
         self._sends += 1
         try:
             reply = await call
         except CommandError as e:
-            if e.code == "timeout":
+            if isinstance(e, NoReply) or e.code in ("timeout", "unavailable"):
                 self.sent.append(Sent(seq, verb, silo, project, name, acked=False))
             raise
         except (TimeoutError, asyncio.CancelledError):
