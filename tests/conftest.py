@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import nats
 import pytest
 
-from deploy.stack import Stack
+from deploy.stack import Nats, Stack, free_port
+from deploy.streams import ensure_streams
 from rackctl.client import Client
 
 GiB = 2**30
@@ -49,6 +51,22 @@ def make_stack(name: str, **env: str) -> Stack:
     base = Path(tempfile.mkdtemp(prefix=f"rackplane-{name}-"))
     os.chmod(base, 0o755)
     return Stack(base, env={**FAST, **env})
+
+
+@asynccontextmanager
+async def bare_jetstream(prefix: str) -> AsyncIterator[Any]:
+    """A nats-server of its own with rackplane's streams and no identities, and a JetStream context on
+    it: for tests of the consumer machinery alone."""
+    folder = Path(tempfile.mkdtemp(prefix=f"rackplane-{prefix}-"))
+    server = Nats(folder / "nats", port=free_port()).start()
+    nc = await nats.connect(server.url)
+    try:
+        await ensure_streams(nc.jetstream())
+        yield nc.jetstream()
+    finally:
+        await nc.close()
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @asynccontextmanager

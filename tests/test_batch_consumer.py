@@ -8,38 +8,25 @@ On a bare nats-server of its own with rackplane's streams, so that the handler c
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import nats
 import nats.js.errors
 import pytest
 
-from deploy.stack import Nats, free_port
-from deploy.streams import ensure_streams
 from shared import bus, subjects
 from shared.messages import ProvisionDelta, SledInventory, VmmReport
-from tests.conftest import eventually
+from tests.conftest import bare_jetstream, eventually
 
 SILO_ID, PROJECT_ID = uuid.uuid4(), uuid.uuid4()
 
 
 @pytest.fixture
 async def js() -> AsyncIterator[Any]:
-    folder = Path(tempfile.mkdtemp(prefix="rackplane-batch-"))
-    server = Nats(folder / "nats", port=free_port()).start()
-    nc = await nats.connect(server.url)
-    try:
-        await ensure_streams(nc.jetstream())
-        yield nc.jetstream()
-    finally:
-        await nc.close()
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    async with bare_jetstream("batch") as made:
+        yield made
 
 
 def delta(generation: int) -> ProvisionDelta:

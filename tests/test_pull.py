@@ -11,41 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Annotated, Any
 
-import nats
 import pytest
 from nats.js import api
 from pydantic import ValidationError
 
-from deploy.stack import Nats, free_port
-from deploy.streams import ensure_streams
 from shared import bus, contract, subjects
 from shared.messages import ProvisionDelta, decode, encode, encode_envelope, envelope, registry
 from shared.messages.base import Model, read_body
-from tests.conftest import eventually
+from tests.conftest import bare_jetstream, eventually
 
 SILO_ID, PROJECT_ID = uuid.uuid4(), uuid.uuid4()
 
 
 @pytest.fixture(scope="module")
 async def js() -> AsyncIterator[Any]:
-    folder = tempfile.mkdtemp(prefix="rackplane-pull-")
-    server = Nats(Path(folder) / "nats", port=free_port()).start()
-    nc = await nats.connect(server.url)
-    try:
-        await ensure_streams(nc.jetstream())
-        yield nc.jetstream()
-    finally:
-        await nc.close()
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    async with bare_jetstream("pull") as made:
+        yield made
 
 
 async def publish_deltas(js: Any, generations: range) -> None:
