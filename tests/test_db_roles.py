@@ -211,3 +211,30 @@ def test_the_compose_steps_make_logins_that_survive_a_second_up(tmp_path: Path) 
             assert run_sync(whoami(url.strip())) == expected
     finally:
         pg.stop()
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+async def test_a_services_session_does_not_outlive_its_machine(stack: Stack, schema: str) -> None:
+    """A service's machine that vanishes (no FIN, no RST) leaves its backends holding their locks until the
+    server notices: keepalives probe an idle peer within seconds, and a session left idle inside a
+    transaction (a frozen process) is ended, so a copy of a command waiting on its claim, or a replica
+    waiting on a pass's lock, waits seconds, not the kernel's two hours."""
+    conn = await connect(stack.service_database_urls[schema])
+    try:
+        said = {
+            name: await conn.fetchval(f"SHOW {name}")
+            for name in (
+                "tcp_keepalives_idle",
+                "tcp_keepalives_interval",
+                "tcp_keepalives_count",
+                "idle_in_transaction_session_timeout",
+            )
+        }
+    finally:
+        await conn.close()
+    assert said == {
+        "tcp_keepalives_idle": "5",
+        "tcp_keepalives_interval": "2",
+        "tcp_keepalives_count": "3",
+        "idle_in_transaction_session_timeout": "1min",
+    }

@@ -16,6 +16,13 @@ CREATE ROLE :"app" LOGIN;
 ALTER ROLE :"app" LOGIN NOINHERIT NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS
     PASSWORD :'app_password';
 GRANT :"owner" TO :"app";
+-- A service's machine that vanishes (no FIN, no RST) would leave its backends, and their locks, for the
+-- kernel's two hours: keepalives find the dead peer in about 11 s, and a session idle inside a
+-- transaction for a minute (a frozen process) is ended, its locks released.
+ALTER ROLE :"app" SET tcp_keepalives_idle = 5;
+ALTER ROLE :"app" SET tcp_keepalives_interval = 2;
+ALTER ROLE :"app" SET tcp_keepalives_count = 3;
+ALTER ROLE :"app" SET idle_in_transaction_session_timeout = '1min';
 
 CREATE SCHEMA IF NOT EXISTS :"schema" AUTHORIZATION :"owner";
 ALTER SCHEMA :"schema" OWNER TO :"owner";
