@@ -5,10 +5,9 @@ so that a stack swaps one for the other in one line; its `url` is a multi-host D
 `target_session_attrs=read-write`, so a client always lands on whichever node leads now. Clustering,
 replication and failover are Patroni's and PostgreSQL's own: nothing here decides who leads.
 
-One etcd member holds the leader key. A single member is no quorum at all, and fine here only because
-every "machine" of this cluster is a process on one host anyway: what the tests kill is a Patroni node
-(Patroni and its PostgreSQL), never etcd. A real deployment runs three (or five) etcd members on three
-machines, so that the leader key survives the loss of any one of them, and gives Patroni all of them.
+Three etcd members (a quorum of two) hold the leader key, and every Patroni node is given all three: the
+key, and so the primary, survive the loss of any one member, as they survive the loss of a Patroni node.
+A real deployment puts each member on a machine of its own (three, or five to survive two losses).
 
 Settings (docs/architecture.md, "PostgreSQL under Patroni", says why):
 - `synchronous_mode: true`, not strict: a commit is acknowledged once the synchronous standby has it,
@@ -108,8 +107,42 @@ class Node:
 
 
 @dataclass
+class EtcdMember:
+    """One etcd member: its data folder and ports (the peer port is kept in its data: it stays)."""
+
+    name: str
+    dir: Path
+    port: int = field(default_factory=free_port)
+    peer_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        """It answers, and is part of a quorum that has a leader."""
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1) as r:
+                return bool(json.loads(r.read()).get("health") == "true")
+        return False
+
+
+ETCD_MEMBERS = 3
+"""A quorum of two: the leader key survives the loss of any one member."""
+
+
+@dataclass
 class PatroniCluster:
-    """One etcd member and `nodes` Patroni nodes, each managing a PostgreSQL 15 data folder of its own.
+    """Three etcd members and `nodes` Patroni nodes, each managing a PostgreSQL 15 data folder of its own.
     Owns what it started, and only that; everything lives under `dir` (the credentials too, 0600)."""
 
     dir: Path
@@ -120,9 +153,7 @@ class PatroniCluster:
     retry_timeout: int = RETRY_TIMEOUT
     scope: str = "rackplane"
     members: list[Node] = field(default_factory=list)
-    etcd_port: int = field(default_factory=free_port)
-    etcd_peer_port: int = field(default_factory=free_port)
-    etcd: subprocess.Popen[bytes] | None = None
+    etcd: list[EtcdMember] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """The ports of an earlier start in `dir`, if any: etcd keeps its peer address in its data, and
@@ -130,13 +161,18 @@ class PatroniCluster:
         saved = self.dir / "cluster.json"
         if saved.exists():
             was = json.loads(saved.read_text())
-            self.etcd_port, self.etcd_peer_port = was["etcd_port"], was["etcd_peer_port"]
+            self.etcd = [
+                EtcdMember(m["name"], self.dir / m["name"], m["port"], m["peer_port"])
+                for m in was.get("etcd", [])
+            ]
             self.members = [
                 Node(m["name"], self.dir / m["name"], m["port"], m["rest_port"]) for m in was["nodes"]
             ]
             self.nodes = len(self.members)
         if not self.members:
             self.members = [Node(f"pg{i}", self.dir / f"pg{i}") for i in range(self.nodes)]
+        if not self.etcd:
+            self.etcd = [EtcdMember(f"etcd{i}", self.dir / f"etcd{i}") for i in range(ETCD_MEMBERS)]
 
     # --- where to connect ---
 
@@ -177,14 +213,12 @@ class PatroniCluster:
         ports); returns once one leads and a standby streams as its synchronous one."""
         self.dir.mkdir(parents=True, exist_ok=True)
         saved = {
-            "etcd_port": self.etcd_port,
-            "etcd_peer_port": self.etcd_peer_port,
+            "etcd": [{"name": m.name, "port": m.port, "peer_port": m.peer_port} for m in self.etcd],
             "nodes": [{"name": n.name, "port": n.port, "rest_port": n.rest_port} for n in self.members],
         }
         (self.dir / "cluster.json").write_text(json.dumps(saved, indent=2) + "\n")
         try:
-            if self.etcd is None or self.etcd.poll() is not None:
-                self._start_etcd()
+            self.start_etcd()
             for i, node in enumerate(self.members):
                 new = not (node.data / "PG_VERSION").exists()
                 self._write_config(node)
@@ -214,8 +248,9 @@ class PatroniCluster:
                         node.proc.wait(30)
                 self.kill_node(i)  # a PostgreSQL left behind by a Patroni that could not stop it
         finally:
-            end(self.etcd, timeout=10)
-            self.etcd = None
+            for member in self.etcd:
+                end(member.proc, timeout=10)
+                member.proc = None
 
     def kill(self) -> None:
         """The leader's whole node, as a machine's loss would (Postgres.kill's counterpart)."""
@@ -331,15 +366,16 @@ class PatroniCluster:
         deadline = time.monotonic() + timeout
         while not check():
             dead = [n.name for n in self.members if n.proc is not None and not n.alive]
-            if dead or (self.etcd is not None and self.etcd.poll() is not None):
-                raise RuntimeError(f"{what}: {dead or 'etcd'} exited\n{self.logs()}")
+            dead += [m.name for m in self.etcd if m.proc is not None and not m.alive]
+            if dead:
+                raise RuntimeError(f"{what}: {', '.join(dead)} exited\n{self.logs()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} not ready after {timeout:g}s\n{self.logs()}")
             time.sleep(0.2)
 
     def logs(self, tail: int = 15) -> str:
         out = []
-        for path in [self.dir / "etcd.log"] + [n.log for n in self.members]:
+        for path in [m.dir / "etcd.log" for m in self.etcd] + [n.log for n in self.members]:
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()[-tail:]
                 out.append(f"--- {path}\n" + "\n".join(lines))
@@ -352,10 +388,11 @@ class PatroniCluster:
         out: list[dict[str, Any]] = [
             {
                 "role": "etcd",
-                "name": "etcd",
-                "pid": self.etcd.pid if self.etcd and self.etcd.poll() is None else None,
-                "ports": {"client": self.etcd_port, "peer": self.etcd_peer_port},
+                "name": m.name,
+                "pid": m.proc.pid if m.alive and m.proc else None,
+                "ports": {"client": m.port, "peer": m.peer_port},
             }
+            for m in self.etcd
         ]
         for i, n in enumerate(self.members):
             out.append(
@@ -372,40 +409,46 @@ class PatroniCluster:
 
     # --- the parts ---
 
-    def _start_etcd(self) -> None:
-        data = self.dir / "etcd"
-        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
-        client = f"http://127.0.0.1:{self.etcd_port}"
-        log = open(self.dir / "etcd.log", "ab")  # the child holds it
-        try:
-            self.etcd = subprocess.Popen(
-                [
-                    _binary("etcd"),
-                    f"--name={self.scope}-etcd",
-                    f"--data-dir={data}",
-                    f"--listen-client-urls={client}",
-                    f"--advertise-client-urls={client}",
-                    f"--listen-peer-urls={peer}",
-                    f"--initial-advertise-peer-urls={peer}",
-                    f"--initial-cluster={self.scope}-etcd={peer}",
-                    "--initial-cluster-state=new",
-                    "--logger=zap",
-                    "--log-level=warn",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+    def start_etcd(self, timeout: float = 30) -> None:
+        """Every etcd member that is not running (again, after a kill: the same folder and ports); returns
+        once each answers as part of a quorum with a leader."""
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.etcd)
+        started = [m for m in self.etcd if not m.alive]
+        for m in started:
+            m.dir.mkdir(parents=True, exist_ok=True)
+            log = open(m.dir / "etcd.log", "ab")  # the child holds it
+            try:
+                m.proc = subprocess.Popen(
+                    [
+                        _binary("etcd"),
+                        f"--name={m.name}",
+                        f"--data-dir={m.dir / 'data'}",
+                        f"--listen-client-urls={m.client_url}",
+                        f"--advertise-client-urls={m.client_url}",
+                        f"--listen-peer-urls={m.peer_url}",
+                        f"--initial-advertise-peer-urls={m.peer_url}",
+                        f"--initial-cluster={initial}",
+                        f"--initial-cluster-token={self.scope}-etcd",
+                        "--initial-cluster-state=new",  # ignored once its data folder holds a member
+                        "--logger=zap",
+                        "--log-level=warn",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            finally:
+                log.close()
+        self._wait(lambda: all(m.healthy() for m in started), timeout, "etcd")
 
-        def answers() -> bool:
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
-                    return bool(json.loads(r.read()).get("health") == "true")
-            return False
-
-        self._wait(answers, 30, "etcd")
+    def kill_etcd(self, i: int) -> None:
+        """SIGKILL etcd member `i`, as the loss of its machine would."""
+        member = self.etcd[i]
+        if member.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                member.proc.kill()
+            member.proc.wait()
+            member.proc = None
 
     def _write_config(self, node: Node) -> None:
         """Patroni's YAML (JSON is YAML) for `node`, readable by its owner only: it holds the passwords."""
@@ -425,7 +468,7 @@ class PatroniCluster:
                 "listen": f"127.0.0.1:{node.rest_port}",
                 "connect_address": f"127.0.0.1:{node.rest_port}",
             },
-            "etcd3": {"hosts": [f"127.0.0.1:{self.etcd_port}"]},
+            "etcd3": {"hosts": [f"127.0.0.1:{m.port}" for m in self.etcd]},
             "bootstrap": {
                 "dcs": {
                     "ttl": self.ttl,

@@ -570,7 +570,7 @@ def test_ha_patroni_settings_agree_with_deploy_patroni(ha: dict[str, Any], tmp_p
         assert theirs["postgresql"][key] == ours["postgresql"][key]
     assert f"CREATE DATABASE {cluster.database} " in theirs["bootstrap"]["post_bootstrap"]
 
-    # two nodes, named as deploy/patroni.py names them, each its own data volume; one etcd member
+    # two nodes, named as deploy/patroni.py names them, each its own data volume
     services = ha["services"]
     nodes = patroni_nodes(ha)
     assert nodes == [m.name for m in cluster.members] and len(nodes) == cluster.nodes == 2
@@ -586,12 +586,22 @@ def test_ha_patroni_settings_agree_with_deploy_patroni(ha: dict[str, Any], tmp_p
         data |= {
             s for k, s, t in mounts(services[name]) if k == "volume" and t == theirs["postgresql"]["data_dir"]
         }
-        assert depends_on(services[name]).get("etcd") == "service_healthy"
+        assert all(depends_on(services[name]).get(m.name) == "service_healthy" for m in cluster.etcd)
     assert len(data) == 2, f"the nodes share a data volume: {data}"
-    etcd = command_of(services["etcd"])
-    assert etcd[0] == "etcd" and f"--name={cluster.scope}-etcd" in etcd
-    assert f"--initial-cluster={cluster.scope}-etcd=http://etcd:2380" in etcd  # one member
-    assert theirs["etcd3"]["hosts"] == "etcd:2379"
+    # three etcd members, named as deploy/patroni.py names them, one cluster, each its own data volume;
+    # Patroni is given all three
+    members = [m.name for m in cluster.etcd]
+    assert len(members) == 3
+    initial = ",".join(f"{m}=http://{m}:2380" for m in members)
+    etcd_data = set()
+    for m in members:
+        assert command_of(services[m])[:2] == ["etcd", f"--name={m}"]
+        env = environment_of(services[m])
+        assert env["ETCD_INITIAL_CLUSTER"] == initial
+        assert env["ETCD_INITIAL_CLUSTER_TOKEN"] == f"{cluster.scope}-etcd"
+        etcd_data |= {s for k, s, t in mounts(services[m]) if k == "volume" and t == env["ETCD_DATA_DIR"]}
+    assert len(etcd_data) == 3, f"the etcd members share a data volume: {etcd_data}"
+    assert theirs["etcd3"]["hosts"] == ",".join(f"{m}:2379" for m in members)
 
 
 def test_ha_bind_mounts_exist_and_volumes_are_declared(ha: dict[str, Any]) -> None:

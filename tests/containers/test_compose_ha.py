@@ -1,5 +1,5 @@
 """docker-compose.ha.yml, whole: three nats-server nodes in one cluster, PostgreSQL under Patroni (a primary
-and a synchronous standby, one etcd member), two containers of each service. Brought up with the images
+and a synchronous standby, three etcd members), two containers of each service. Brought up with the images
 built here, walked through as the README walks `make run`; then the container of one broker node is
 stopped, then the Patroni primary's while an instance is being started, and the stack answers again (the
 instance runs, a new start succeeds, `rackctl check` finds every invariant holding); then taken down with

@@ -155,7 +155,7 @@ async def test_stack_json_names_every_process_and_every_stream_has_three_replica
     for p in manifest(stack)["processes"]:
         assert p["pid"], p
         roles.setdefault(p["role"], []).append(p["name"])
-    assert len(roles["nats"]) == 3 and len(roles["patroni"]) == 2 and len(roles["etcd"]) == 1
+    assert len(roles["nats"]) == 3 and len(roles["patroni"]) == 2 and len(roles["etcd"]) == 3
     assert sorted(roles["service"]) == sorted(
         ("sled_agent", *(k for n in REPLICATED for k in (n, replica_key(n))))
     )

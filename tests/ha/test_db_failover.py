@@ -229,6 +229,31 @@ async def test_standby_killed_the_primary_writes_on_alone(
     await asyncio.to_thread(cluster.wait_standby, standby, 90)
 
 
+async def test_an_etcd_member_lost_the_primary_keeps_its_key(
+    cluster: PatroniCluster, pool: asyncpg.Pool
+) -> None:
+    """Three etcd members keep the leader key: with any one of them killed (the one Patroni's nodes talk
+    to first, among them) the other two are a quorum, the primary renews its key, no failover follows,
+    and writes go on; the member started again rejoins."""
+    primary = cluster.wait_primary()
+    assert len(cluster.etcd) == 3
+    for i in range(len(cluster.etcd)):
+        async with Writer(pool) as w:
+            killed_at = time.monotonic()
+            cluster.kill_etcd(i)
+            # past the leader TTL: a primary that could not renew its key would have demoted itself
+            await asyncio.sleep(cluster.ttl + cluster.loop_wait)
+            await w.more(20, 10)
+        gap = w.gap(killed_at)
+        name = cluster.etcd[i].name
+        print(f"\netcd member {name} killed: node {cluster.primary()} leads; writes paused {gap:.1f}s")
+        assert cluster.primary() == primary, f"a failover followed the loss of {cluster.etcd[i].name}"
+        assert gap <= cluster.retry_timeout, f"no write succeeded for {gap:.1f}s"
+        await w.all_present()
+        await asyncio.to_thread(cluster.start_etcd)
+        assert all(m.healthy() for m in cluster.etcd)
+
+
 async def test_each_service_gets_a_multi_host_url_of_its_own(cluster: PatroniCluster, tmp_path: Path) -> None:
     """deploy/dbroles.py on a multi-host admin DSN: each login's URL keeps every node and
     target_session_attrs, so that a service, too, follows the leader; the checker's read-only role (to

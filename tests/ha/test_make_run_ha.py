@@ -23,7 +23,7 @@ def test_make_run_ha_walks_the_readme_and_stops_everything() -> None:
             roles[p["role"]] = roles.get(p["role"], 0) + 1
             assert p["pid"], p  # every process running, and found by its pid
         assert roles["nats"] == 3, processes
-        assert roles["patroni"] == 2 and roles["etcd"] == 1, processes
+        assert roles["patroni"] == 2 and roles["etcd"] == 3, processes
         names = {p["name"] for p in processes}
         for service in REPLICATED:
             assert {service, replica_key(service)} <= names, names
