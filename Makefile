@@ -68,7 +68,7 @@ fuzz: install
 ## schemas: write the contract as data from the code: docs/schemas/*.json (JSON Schema per message schema
 ## and version, and a kept example of each) and docs/asyncapi.yaml (AsyncAPI 3.0); commit what it writes
 schemas: install
-	$(BIN)/python -m shared.contract
+	$(BIN)/python -m deploy.schemas
 
 ## bench: benchmarks; they print ratios against a baseline measured in the same run
 bench: install

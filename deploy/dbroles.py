@@ -19,10 +19,10 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import asyncpg
 
+from deploy.migrations import SCHEMAS
 from shared.config import DB_LOGINS
 from shared.db import owner_role
 from shared.errors import transient
-from shared.migrate import SCHEMAS
 
 SQL = Path(__file__).parent / "sql"
 CHECKER = "rackplane_check"

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import nkeys
 
-from shared import subjects
+from shared import topology
 from shared.messages import NAME_PATTERN
+from shared.topology import Durable, jsapi, routes, subjects
 
 ACCOUNT = "RACKPLANE"
 SUBSCRIBERS = "SUBSCRIBERS"
@@ -64,8 +65,12 @@ test fixtures, `make run FAULTS=1`), never by a plain `make run` or compose."""
 DEFAULT_SLEDS = 32
 """Sled identities made up front: the simulator's sleds, and room for `rp.sim.sled.add`."""
 SLED_ID = re.compile(r"^sled-[0-9]{1,6}$")
-JS_INFO = "$JS.API.INFO"
-RECOVERY_ORDERS = ("rp.cmd.*.vmm.>", "rp.cmd.*.instance.restart", "rp.cmd.*.instance.settle")
+JS_INFO = jsapi.INFO
+RECOVERY_ORDERS = (
+    subjects.command_pattern("vmm", ">"),
+    subjects.command_pattern("instance", "restart"),
+    subjects.command_pattern("instance", "settle"),
+)
 """Commands only recovery sends: denied to every operator, whatever else they may send."""
 
 
@@ -93,20 +98,24 @@ class Grants:
         )
 
 
-def consume(stream: str, durable: str, filter_subject: str) -> Grants:
-    """Create (with exactly this filter), inspect, pull from and ack one durable consumer, and nothing else.
+def consume(d: Durable) -> Grants:
+    """Create (with exactly its filter), inspect, pull from and ack one durable consumer, and nothing else.
 
     The create subject carries the filter (`$JS.API.CONSUMER.CREATE.<stream>.<durable>.<filter>`, which
     the server checks against the config's), so the durable cannot be re-pointed at others' messages."""
-    api = "$JS.API.CONSUMER"
     return Grants(
         publish=(
-            f"{api}.CREATE.{stream}.{durable}.{filter_subject}",
-            f"{api}.INFO.{stream}.{durable}",
-            f"{api}.MSG.NEXT.{stream}.{durable}",
-            f"$JS.ACK.{stream}.{durable}.>",
+            jsapi.consumer_create(d.stream, d.name, d.filter_subject),
+            jsapi.consumer("INFO", d.stream, d.name),
+            jsapi.consumer("MSG.NEXT", d.stream, d.name),
+            jsapi.ack(d.stream, d.name),
         )
     )
+
+
+def consume_own(service: str) -> Grants:
+    """Every fixed durable the service owns (shared/topology/durables.py)."""
+    return functools.reduce(operator.or_, (consume(d) for d in topology.owned_by(service)), Grants())
 
 
 def serves(*patterns: str) -> Grants:
@@ -122,39 +131,25 @@ def service_common(service: str) -> Grants:
 
 
 def sled_grants(sled_id: str) -> Grants:
-    durable = subjects.sled_durable(sled_id)
-    return consume(subjects.SLED_CMD_STREAM, durable, subjects.sled_command(sled_id, ">")) | Grants(
-        publish=(
-            JS_INFO,
-            subjects.sled_report(sled_id, ">"),
-            subjects.dead_letter("sled-agent", durable),
-        )
+    durable = topology.sled(sled_id)
+    return consume(durable) | Grants(
+        publish=(JS_INFO, subjects.sled_report(sled_id, ">"), durable.dead_letter_subject)
     )
 
 
 def service_grants(name: str) -> Grants:
-    ev, rep = subjects.EVENTS_STREAM, subjects.SLED_REPORT_STREAM
     if name == "instance-manager":
         return (
             service_common(name)
             | serves(
                 *(subjects.command_pattern(r) for r in ("silo", "project", "instance", "sled", "vmm", "pool"))
             )
-            | consume(rep, "instance-manager-vmm-reports", subjects.sled_report("*", "vmm"))
-            | consume(rep, "instance-manager-inventory", subjects.sled_report("*", "inventory"))
-            | consume(ev, "instance-manager-outcomes", subjects.event("*", "provision", "outcome"))
+            | consume_own(name)
             | Grants(
                 publish=(
                     subjects.sled_command("*", ">"),
                     subjects.provision_delta("*", "*", "*"),
-                    subjects.event("*", "silo", "created"),
-                    subjects.event("*", "project", "created"),
-                    subjects.event("*", "silo", "deleted"),
-                    subjects.event("*", "project", "deleted"),
-                    subjects.event("*", "instance", "changed"),
-                    subjects.event("*", "instance", "changed", version=2),
-                    subjects.event("*", "pool", "changed"),
-                    subjects.event(None, "sled", "changed"),
+                    *routes.events_sent_by(name),
                 )
             )
         )
@@ -162,26 +157,13 @@ def service_grants(name: str) -> Grants:
         return (
             service_common(name)
             | serves(subjects.command_pattern("usage"))
-            | functools.reduce(
-                operator.or_,
-                (
-                    consume(subjects.PROVISION_STREAM, subjects.delta_durable(p), subjects.delta_partition(p))
-                    for p in range(subjects.DELTA_PARTITIONS)
-                ),
-            )
-            | consume(ev, "accounting-silos", subjects.event("*", "silo", "created"))
-            | consume(ev, "accounting-projects", subjects.event("*", "project", "created"))
-            | Grants(
-                publish=(subjects.event("*", "usage", "changed"), subjects.event("*", "provision", "outcome"))
-            )
+            | consume_own(name)
+            | Grants(publish=tuple(routes.events_sent_by(name)))
         )
     if name == "recovery":
         return (
             service_common(name)
-            | consume(ev, "recovery-instances", subjects.event("*", "instance", "changed"))
-            | consume(ev, "recovery-instances-v2", subjects.event("*", "instance", "changed", version=2))
-            | consume(rep, "recovery-inventory", subjects.sled_report("*", "inventory"))
-            | consume(ev, "recovery-sleds", subjects.event(None, "sled", "changed"))
+            | consume_own(name)
             | Grants(
                 publish=(
                     subjects.command(None, "vmm", ">"),
@@ -196,12 +178,8 @@ def service_grants(name: str) -> Grants:
 
 
 def durables_of(stream: str) -> tuple[str, ...]:
-    """Every durable consumer on `stream` that a service is granted, read off their own grants (`consume`),
-    so that a new durable is known here at once."""
-    prefix = f"$JS.API.CONSUMER.CREATE.{stream}."
-    grants = [service_grants(s) for s in SERVICES]
-    names = (p[len(prefix) :].split(".")[0] for g in grants for p in g.publish if p.startswith(prefix))
-    return tuple(dict.fromkeys(names))
+    """Every durable consumer of the services' on `stream` (shared/topology/durables.py)."""
+    return tuple(d.name for d in topology.on_stream(stream))
 
 
 def follow_events(filter_subject: str) -> Grants:
@@ -211,14 +189,18 @@ def follow_events(filter_subject: str) -> Grants:
     filter of the subject is the config's), so the grant holds the reader to its filter. A create request
     naming an existing consumer updates it, though, filter included: the durables of the services and of
     are denied by name, so no follower can re-point or drain them."""
-    stream, api = subjects.EVENTS_STREAM, "$JS.API.CONSUMER"
+    stream = subjects.EVENTS_STREAM
     durables = durables_of(stream)
     return Grants(
-        publish=(JS_INFO, f"{api}.CREATE.{stream}.*.{filter_subject}", f"{api}.MSG.NEXT.{stream}.*"),
+        publish=(
+            JS_INFO,
+            jsapi.consumer_create(stream, "*", filter_subject),
+            jsapi.consumer("MSG.NEXT", stream, "*"),
+        ),
         publish_deny=tuple(
             deny
             for d in durables
-            for deny in (f"{api}.CREATE.{stream}.{d}.>", f"{api}.MSG.NEXT.{stream}.{d}")
+            for deny in (jsapi.consumer_create(stream, d, ">"), jsapi.consumer("MSG.NEXT", stream, d))
         ),
     )
 
@@ -228,21 +210,21 @@ def subscriber_grants(name: str, silo: str | None) -> Grants:
     events of its scope, durable or ordered, created only with a filter within that scope (the filter is in
     the create subject, which the server checks against the config's); its stream's info and messages by
     sequence. Nothing on EVENTS itself, so no subscriber can read, drain or re-point another's consumers."""
-    stream, api = subjects.subscriber_stream(name), "$JS.API.CONSUMER"
+    stream = subjects.subscriber_stream(name)
     return Grants(
         publish=(
             JS_INFO,
-            f"$JS.API.STREAM.INFO.{stream}",
-            f"$JS.API.STREAM.MSG.GET.{stream}",
-            f"{api}.CREATE.{stream}.*.{subjects.event_pattern(silo)}",
-            f"{api}.INFO.{stream}.*",
-            f"{api}.DELETE.{stream}.*",
-            f"{api}.NAMES.{stream}",
-            f"{api}.LIST.{stream}",
-            f"{api}.MSG.NEXT.{stream}.*",
-            f"$JS.ACK.{stream}.>",
+            jsapi.stream("INFO", stream),
+            jsapi.stream("MSG.GET", stream),
+            jsapi.consumer_create(stream, "*", subjects.event_pattern(silo)),
+            jsapi.consumer("INFO", stream, "*"),
+            jsapi.consumer("DELETE", stream, "*"),
+            jsapi.consumer("NAMES", stream),
+            jsapi.consumer("LIST", stream),
+            jsapi.consumer("MSG.NEXT", stream, "*"),
+            jsapi.ack(stream),
         ),
-        publish_deny=(f"{subjects.SUBSCRIBERS_API}.>", f"$JS.FC.{subjects.EVENTS_STREAM}.>"),
+        publish_deny=(subjects.under(subjects.SUBSCRIBERS_API), jsapi.flow_control(subjects.EVENTS_STREAM)),
     )
 
 
@@ -252,11 +234,11 @@ def subscriber_streams_admin(names: Iterable[str]) -> Grants:
     filter, a subscriber's scope, is fixed when it is made. Sourcing from EVENTS is the broker's, for the
     account: this identity may not send on rackplane's API (`subjects.SUBSCRIBERS_API`) either."""
     return Grants(
-        publish_deny=(f"{subjects.SUBSCRIBERS_API}.>", f"$JS.FC.{subjects.EVENTS_STREAM}.>"),
+        publish_deny=(subjects.under(subjects.SUBSCRIBERS_API), jsapi.flow_control(subjects.EVENTS_STREAM)),
         publish=(
             JS_INFO,
             *(
-                f"$JS.API.STREAM.{verb}.{subjects.subscriber_stream(n)}"
+                jsapi.stream(verb, subjects.subscriber_stream(n))
                 for n in names
                 for verb in ("INFO", "CREATE", "DELETE")
             ),
@@ -266,9 +248,9 @@ def subscriber_streams_admin(names: Iterable[str]) -> Grants:
 
 def silo_operator_grants(silo: str) -> Grants:
     return Grants(
-        publish=(f"rp.cmd.{silo}.>",),
+        publish=(subjects.command_scope(silo),),
         publish_deny=RECOVERY_ORDERS,
-        subscribe=(f"rp.evt.{silo}.>",),
+        subscribe=(subjects.event_pattern(silo),),
     ) | follow_events(subjects.event_pattern(silo))
 
 
@@ -282,13 +264,13 @@ AUDITED_STREAMS = (
 AUDITOR = Grants(
     publish=(
         JS_INFO,
-        "$JS.API.STREAM.NAMES",
-        "$JS.API.STREAM.LIST",
-        "$JS.API.STREAM.INFO.*",
-        "$JS.API.STREAM.MSG.GET.*",
-        "$JS.API.CONSUMER.NAMES.*",
-        "$JS.API.CONSUMER.LIST.*",
-        "$JS.API.CONSUMER.INFO.*.*",
+        jsapi.streams("NAMES"),
+        jsapi.streams("LIST"),
+        jsapi.stream("INFO", "*"),
+        jsapi.stream("MSG.GET", "*"),
+        jsapi.consumer("NAMES", "*"),
+        jsapi.consumer("LIST", "*"),
+        jsapi.consumer("INFO", "*", "*"),
         subjects.stats("*"),
     )
 )
@@ -296,7 +278,9 @@ AUDITOR = Grants(
 an existing consumer updates it, filter included, whatever the create subject, so a reader with a create
 grant could re-point a service's durable."""
 FLEET_OPERATOR = Grants(
-    publish=("rp.cmd.*.>", subjects.stats("*")), publish_deny=RECOVERY_ORDERS, subscribe=("rp.evt.>",)
+    publish=(subjects.command_scope("*"), subjects.stats("*")),
+    publish_deny=RECOVERY_ORDERS,
+    subscribe=(subjects.event_pattern(None),),
 ) | follow_events(subjects.event_pattern(None))
 SIMULATOR_OPERATOR = Grants(publish=(subjects.sim_control(">"),))
 FAULT_INJECTOR = Grants(publish=(subjects.faults("*"),))
@@ -304,7 +288,7 @@ STREAM_VERBS = ("INFO", "CREATE", "UPDATE")
 STREAM_ADMIN = Grants(
     publish=(
         JS_INFO,
-        *(f"$JS.API.STREAM.{verb}.{name}" for name in subjects.STREAMS for verb in STREAM_VERBS),
+        *(jsapi.stream(verb, name) for name in subjects.STREAMS for verb in STREAM_VERBS),
     )
 )
 """Creates and updates the streams deploy defines (`subjects.STREAMS`), each by name, and nothing else: no
@@ -316,16 +300,16 @@ TEST_CONSUMERS = Grants(
             grant
             for stream in (subjects.EVENTS_STREAM, subjects.PROVISION_STREAM)
             for grant in (
-                f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
-                f"$JS.API.CONSUMER.CREATE.{stream}.*.>",
-                f"$JS.API.CONSUMER.DELETE.{stream}.*",
-                f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-                f"$JS.ACK.{stream}.>",
+                jsapi.consumer("DURABLE.CREATE", stream, "*"),
+                jsapi.consumer_create(stream, "*", ">"),
+                jsapi.consumer("DELETE", stream, "*"),
+                jsapi.consumer("MSG.NEXT", stream, "*"),
+                jsapi.ack(stream),
             )
         ),
         # ordered consumers on the streams the auditor reads (the plain create subject refuses a durable)
-        *(f"$JS.API.CONSUMER.CREATE.{stream}" for stream in AUDITED_STREAMS),
-        *(f"$JS.FC.{stream}.>" for stream in AUDITED_STREAMS),
+        *(jsapi.consumer_create(stream) for stream in AUDITED_STREAMS),
+        *(jsapi.flow_control(stream) for stream in AUDITED_STREAMS),
     )
 )
 """Tests follow EVENTS, read deltas and dead letters through consumers of their own (a test identity only:
@@ -333,10 +317,10 @@ operators never may)."""
 DLQ_ADMIN = Grants(
     publish=(
         JS_INFO,
-        f"$JS.API.STREAM.INFO.{subjects.DLQ_STREAM}",
-        f"$JS.API.STREAM.MSG.GET.{subjects.DLQ_STREAM}",
-        f"$JS.API.STREAM.MSG.DELETE.{subjects.DLQ_STREAM}",
-        *(f"$JS.API.STREAM.MSG.GET.{s}" for s in subjects.STREAMS if s != subjects.DLQ_STREAM),
+        jsapi.stream("INFO", subjects.DLQ_STREAM),
+        jsapi.stream("MSG.GET", subjects.DLQ_STREAM),
+        jsapi.stream("MSG.DELETE", subjects.DLQ_STREAM),
+        *(jsapi.stream("MSG.GET", s) for s in subjects.STREAMS if s != subjects.DLQ_STREAM),
         *subjects.REPLAYABLE,
     )
 )
@@ -344,8 +328,8 @@ DLQ_ADMIN = Grants(
 from (`subjects.REPLAYABLE`: every stream's but the DLQ's), so this identity can say what any sled or
 service says: it is for the operator on call, kept apart from the console's (docs/operations.md). It reads
 the message a letter names from its stream, by sequence, since a replay sends that, never the letter's
-body, which its filer wrote (rackctl/dlq.py)."""
-NEVER = tuple(f"$JS.API.STREAM.{verb}.{name}" for name in subjects.STREAMS for verb in ("DELETE", "PURGE"))
+body, which its filer wrote (rackctl/dead_letters/)."""
+NEVER = tuple(jsapi.stream(verb, name) for name in subjects.STREAMS for verb in ("DELETE", "PURGE"))
 """Denied to every identity: rackplane's streams are created and updated by deploy, and never deleted or
 purged (a subscriber's own stream is deleted with the subscriber, by the subscriber administrator)."""
 
@@ -382,7 +366,7 @@ class Identity:
             "subscriber": lambda: subscriber_grants(self.name, self.param or None),
             "operator": lambda: operator_grants(self.param),
         }[self.kind]()
-        return g | Grants(subscribe=(f"{subjects.inbox_prefix(self.name)}.>",), publish_deny=NEVER)
+        return g | Grants(subscribe=(subjects.under(subjects.inbox_prefix(self.name)),), publish_deny=NEVER)
 
     @property
     def inbox(self) -> str:
@@ -540,10 +524,10 @@ class Store:
                 if i.account == account
             )
 
-        create = f"$JS.API.CONSUMER.CREATE.{subjects.EVENTS_STREAM}.>"
+        create = jsapi.consumer_create(subjects.EVENTS_STREAM, ">")
         deliver = subjects.subscriber_delivery(">")
         api = subjects.SUBSCRIBERS_API
-        flow = f"$JS.FC.{subjects.EVENTS_STREAM}.>"
+        flow = jsapi.flow_control(subjects.EVENTS_STREAM)
         return (
             "# Written by deploy/identities.py from identities.json: do not edit (regenerate instead).\n"
             f"accounts {{\n  {ACCOUNT} {{\n    jetstream: enabled\n    users: [\n{users(ACCOUNT)}    ]\n"
@@ -552,7 +536,7 @@ class Store:
             f"      {{stream: {json.dumps(deliver)}, accounts: [{SUBSCRIBERS}]}}\n    ]\n  }}\n"
             f"  {SUBSCRIBERS} {{\n    jetstream: enabled\n    users: [\n{users(SUBSCRIBERS)}    ]\n"
             f"    imports: [\n      {{service: {{account: {ACCOUNT}, subject: {json.dumps(create)}}}, "
-            f"to: {json.dumps(create.replace('$JS.API', api, 1))}}}\n"
+            f"to: {json.dumps(create.replace(jsapi.API, api, 1))}}}\n"
             f"      {{service: {{account: {ACCOUNT}, subject: {json.dumps(flow)}}}}}\n"
             f"      {{stream: {{account: {ACCOUNT}, subject: {json.dumps(deliver)}}}}}\n    ]\n  }}\n}}\n"
         )

@@ -85,7 +85,7 @@ class NatsCluster:
 
     @property
     def url(self) -> str:
-        """Every node's URL, comma-separated: what clients are given (shared/bus.py splits it)."""
+        """Every node's URL, comma-separated: what clients are given (shared/bus/connect.py splits it)."""
         return ",".join(self.node_url(i) for i in range(self.size))
 
     def node_url(self, i: int) -> str:

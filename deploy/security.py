@@ -22,7 +22,7 @@ from pathlib import Path
 
 from deploy import identities, streams, subscribers, tls
 from rackctl import context as contexts
-from shared import subjects
+from shared.topology import subjects
 
 SERVICE_IDENTITY = {
     "sled_agent": "simulator",
@@ -86,11 +86,11 @@ class BrokerSecurity:
             env["NATS_CA_FILE"] = self.ca_file
         return env
 
-    def context(self, name: str, url: str) -> contexts.Context:
+    def context(self, name: str, url: str) -> contexts.ConnectionContext:
         """A context for identity `name`; a subscriber's names its stream and its silo."""
         identity = self.store.identities.get(name)
         if identity is not None and identity.kind == "subscriber":
-            return contexts.Context(
+            return contexts.ConnectionContext(
                 url=url,
                 nkey=self.seed(name),
                 ca=self.ca_file,
@@ -98,7 +98,7 @@ class BrokerSecurity:
                 stream=subjects.subscriber_stream(name),
                 silo=identity.param or None,
             )
-        return contexts.Context(url=url, nkey=self.seed(name), ca=self.ca_file, identity=name)
+        return contexts.ConnectionContext(url=url, nkey=self.seed(name), ca=self.ca_file, identity=name)
 
     def write_context(self, context_name: str, identity: str, url: str) -> Path:
         return contexts.write(context_name, self.context(identity, url), self.dir / "contexts")

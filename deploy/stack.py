@@ -653,9 +653,9 @@ class Stack:
 
 
 async def _wait_ready(url: str, names: list[str], timeout: float, stack: Stack) -> None:
-    from shared import subjects
     from shared.bus import connect
     from shared.messages import StatsGet, encode, envelope
+    from shared.topology import subjects
 
     auditor = stack.security.context("auditor", url) if stack.security else None
     nc = await connect(

@@ -13,8 +13,9 @@ import asyncio
 import nats.js.errors
 from nats.js import JetStreamContext, api
 
-from shared import bus, subjects
-from shared.config import ConfigError, Settings, duplicate_window, stream_replicas
+from shared import bus
+from shared.config import ConfigError, Settings
+from shared.topology import subjects
 
 MAX_AGE_S = 7 * 24 * 3600.0
 MAX_CONSUMERS = 100_000
@@ -25,17 +26,19 @@ each sled: past 1,000 sleds the rest could not read their orders (`maximum consu
 
 TTL_STREAMS = {subjects.SLED_REPORT_STREAM}
 """Streams whose messages may say how long they are kept (`Nats-TTL`): a sled's inventory is superseded by
-its next, and kept for `inventory_ttl()` rather than the stream's week (at 5,000 sleds every 5 s, a week
-of inventories is some 600 million messages); VMM reports beside them are kept as long as the stream
-keeps anything. An existing stream is updated to allow them; a stream cannot be set back."""
+its next, and kept for `Settings.inventory_keep()` rather than the stream's week (at 5,000 sleds every
+5 s, a week of inventories is some 600 million messages); VMM reports beside them are kept as long as the
+stream keeps anything. An existing stream is updated to allow them; a stream cannot be set back."""
 
 
 def configs(window: float | None = None, replicas: int | None = None) -> list[api.StreamConfig]:
     """Every stream; `window` is the duplicate window (RACKPLANE_DUPLICATE_WINDOW when not given), and
     `replicas` the copies a cluster keeps of each (RACKPLANE_STREAM_REPLICAS when not given: 3 on the
     three-node cluster of `make run HA=1`, so that a stream outlives the loss of any one node)."""
-    window = duplicate_window() if window is None else window
-    replicas = stream_replicas() if replicas is None else replicas
+    if window is None or replicas is None:
+        s = Settings.from_env()
+        window = s.duplicate_window if window is None else window
+        replicas = s.stream_replicas if replicas is None else replicas
     return [
         api.StreamConfig(
             name=name,
@@ -63,7 +66,7 @@ def subscriber_config(name: str, silo: str | None, replicas: int | None = None) 
     has as many replicas as rackplane's streams (`replicas`, else RACKPLANE_STREAM_REPLICAS)."""
     return api.StreamConfig(
         name=subjects.subscriber_stream(name),
-        num_replicas=stream_replicas() if replicas is None else replicas,
+        num_replicas=Settings.from_env().stream_replicas if replicas is None else replicas,
         storage=api.StorageType.FILE,
         retention=api.RetentionPolicy.LIMITS,
         max_age=MAX_AGE_S,

@@ -24,7 +24,8 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from deploy import identities, streams
-from shared import bus, subjects
+from shared import bus
+from shared.topology import subjects
 
 T = TypeVar("T")
 RELOADED_WITHIN = 10.0

@@ -21,7 +21,10 @@ DEFAULT = "default"
 
 
 @dataclass(frozen=True)
-class Context:
+class ConnectionContext:
+    """Where and as whom rackctl connects: one context file. (Not the `Invocation` a command runs with, nor
+    nats's JetStreamContext.)"""
+
     url: str
     nkey: str | None = None
     ca: str | None = None
@@ -52,7 +55,7 @@ def path_of(name: str) -> Path:
     return contexts_dir() / f"{name}.json"
 
 
-def load(name: str | None = None) -> Context | None:
+def load(name: str | None = None) -> ConnectionContext | None:
     """The context asked for (an error if it does not exist), or the default one if there is one."""
     asked = name or os.environ.get("RACKCTL_CONTEXT") or None
     path = path_of(asked or DEFAULT)
@@ -61,12 +64,12 @@ def load(name: str | None = None) -> Context | None:
             raise ConnectionError(f"no rackctl context {asked!r} (looked for {path})")
         return None
     try:
-        return Context(**json.loads(path.read_text()))
+        return ConnectionContext(**json.loads(path.read_text()))
     except (ValueError, TypeError) as e:
         raise ConnectionError(f"rackctl context {path} is not valid: {e}") from None
 
 
-def write(name: str, context: Context, dir: Path | None = None) -> Path:
+def write(name: str, context: ConnectionContext, dir: Path | None = None) -> Path:
     path = (dir or contexts_dir()) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(context), indent=1) + "\n")

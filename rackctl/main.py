@@ -34,8 +34,8 @@ from rackctl.commands.base import (
     COMMANDS,
     GROUPS,
     Command,
-    Ctx,
     Failure,
+    Invocation,
     Unconfirmed,
     UnknownName,
     UsageError,
@@ -171,7 +171,7 @@ def group_examples(words: tuple[str, ...]) -> list[str]:
 
 async def run(cmd: Command, args: argparse.Namespace) -> None:
     """One command, as one trace: the client carries this span's context to every service it reaches."""
-    ctx = Ctx(args)
+    ctx = Invocation(args)
     with telemetry.span(f"{PROG} {' '.join(cmd.words)}"):
         try:
             await cmd.run(ctx)

@@ -1,60 +1,34 @@
-"""The contract as data: every channel (subject), what travels on it, who sends and who receives it.
+"""The contract as data: every channel (shared/topology/routes.py says who sends and receives what on each),
+every message's JSON Schema and one example of it, the schema of every request's reply, the dead-letter
+channel with its headers, the security scheme, and the AsyncAPI 3.0 document that holds them all, which a
+consumer in any language can generate code from.
 
 docs/subjects.md explains the contract to people; this module states it for programs. `make schemas`
-(`python -m shared.contract`) writes from it, and from the pydantic models, one JSON Schema per message
-schema and version (docs/schemas/), the schema of every request's reply (docs/schemas/reply.json), and an
-AsyncAPI 3.0 document (docs/asyncapi.yaml), which a consumer in any language can generate code from:
-both halves of every request/reply, the dead-letter channel with its headers, and the security scheme.
-tests/test_contract.py fails when the committed files drift from the code, and
-tests/test_asyncapi_parser.py when the official AsyncAPI parser finds an error or a warning in them.
+(`python -m deploy.schemas`) writes it to docs/schemas/ and docs/asyncapi.yaml; tests/test_contract.py
+fails when the committed files drift from the code, and tests/test_asyncapi_parser.py when the official
+AsyncAPI parser finds an error or a warning in them.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import yaml
-
-from shared import subjects
 from shared.bus import DLQ_TRUNCATED, MSG_ID
 from shared.messages import Envelope, Model, Reply, registry
 from shared.messages.base import read_body
+from shared.topology import subjects
+from shared.topology.routes import OPERATORS as OPERATORS
+from shared.topology.routes import Channel as Channel
+from shared.topology.routes import Kind as Kind
+from shared.topology.routes import channels as channels
+from shared.topology.routes import versions as versions
 
-ROOT = Path(__file__).resolve().parent.parent
-SCHEMAS = ROOT / "docs" / "schemas"
-ASYNCAPI = ROOT / "docs" / "asyncapi.yaml"
 REPLY_FILE = "reply.json"
 """The schema of every request's answer (`shared.messages.Reply`): no envelope, so no `.v<n>` in its name
 (readers of docs/schemas/ pick messages' schemas by `<schema>.v<version>.json`)."""
 SCHEMA_FORMAT = "application/schema+json;version=2020-12"
 """What every payload schema is written in (AsyncAPI's default would be its own, a draft-07 superset)."""
-
-OPERATORS = ("rackctl",)
-Kind = Literal["request", "stream"]
-
-
-@dataclass(frozen=True)
-class Channel:
-    address: str
-    """The subject, with `{parameters}` for its variable tokens."""
-    kind: Kind
-    """`request`: request/reply (the receiver answers on the sender's inbox); `stream`: a JetStream stream."""
-    schemas: tuple[str, ...]
-    senders: tuple[str, ...]
-    receivers: tuple[str, ...]
-    description: str
-    versions: tuple[int, ...] = (1,)
-    """The schema versions that travel here. A request's channel takes every version (the envelope says
-    which); an event's later version has a channel, and a subject, of its own (`subjects.event`)."""
-
-    @property
-    def parameters(self) -> list[str]:
-        return [t[1:-1] for t in self.address.split(".") if t.startswith("{")]
-
 
 PARAMETERS = {
     "silo": f"a silo's name, or `{subjects.FLEET}` for fleet-wide commands and events",
@@ -64,7 +38,7 @@ PARAMETERS = {
     "service": "a service's name: " + ", ".join(subjects.SERVICES),
     "consumer": (
         "the durable consumer that gave up, or the one name the durables of a partitioned stream file under "
-        "(`accounting-deltas`)"
+        f"(`{subjects.DELTA_DEAD_LETTERS}`)"
     ),
 }
 
@@ -99,156 +73,6 @@ SECURITY = {
 }
 """How a client proves who it is. NATS's nkeys are a signature with a private key, not a password, a
 certificate or a token: AsyncAPI's `asymmetricEncryption` is the scheme that says so."""
-
-EVENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "rp.evt.silo.created": (("instance-manager",), ("accounting",)),
-    "rp.evt.project.created": (("instance-manager",), ("accounting",)),
-    "rp.evt.instance.changed": (("instance-manager",), ("recovery",)),
-    "rp.evt.provision.outcome": (("accounting",), ("instance-manager",)),
-    "rp.evt.usage.changed": (("accounting",), ()),
-    "rp.evt.pool.changed": (("instance-manager",), ()),
-    "rp.evt.sled.changed": (("instance-manager",), ("recovery",)),
-    "rp.evt.silo.deleted": (("instance-manager",), ()),
-    "rp.evt.project.deleted": (("instance-manager",), ()),
-}
-"""Each event: who publishes it, and which of rackplane's services consume it (anyone else may follow)."""
-
-ORDERS = (
-    "rp.cmd.vmm.lost",
-    "rp.cmd.vmm.stuck",
-    "rp.cmd.vmm.zombie",
-    "rp.cmd.instance.restart",
-    "rp.cmd.instance.settle",
-)
-"""Recovery's orders to instance-manager (conditions: refused as stale when what they saw has moved)."""
-FLEET_ONLY = (
-    *ORDERS,
-    "rp.cmd.silo.create",
-    "rp.cmd.silo.delete",
-    "rp.cmd.silo.list",
-    "rp.cmd.silo.limits",
-    "rp.cmd.sled.list",
-    "rp.cmd.sled.expunge",
-)
-"""Commands whose bodies name no silo: they travel on `_fleet` only."""
-
-
-def _command(schema: str) -> Channel:
-    resource, verb = schema.removeprefix("rp.cmd.").split(".")
-    receiver = "accounting" if resource == "usage" else "instance-manager"
-    sender = ("recovery",) if schema in ORDERS else OPERATORS
-    silo = subjects.FLEET if schema in FLEET_ONLY else "{silo}"
-    return Channel(
-        f"rp.cmd.{silo}.{resource}.{verb}",
-        "request",
-        (schema,),
-        sender,
-        (receiver,),
-        f"{'recovery orders' if schema in ORDERS else 'operator command'}: {resource} {verb}",
-    )
-
-
-def versions() -> dict[str, tuple[int, ...]]:
-    """Every registered schema, with its versions in order."""
-    out: dict[str, list[int]] = {}
-    for schema, version in sorted(registry()):
-        out.setdefault(schema, []).append(version)
-    return {s: tuple(vs) for s, vs in out.items()}
-
-
-def channels() -> list[Channel]:
-    """Every channel, derived from the registered schemas (so a new schema or version cannot be left out).
-
-    A request carries its version in the envelope and is answered `unsupported_version` by a server that
-    does not know it, so every version shares its subject. A stream message is read by consumers that
-    filter on subjects: each version of an event has its own, so that a reader of v1 never receives v2."""
-    out: list[Channel] = []
-    for schema, vs in versions().items():
-        ch = replace(_channel(schema), versions=vs)
-        if ch.kind == "request":
-            out.append(ch)
-        elif schema.startswith("rp.evt."):
-            out += [
-                replace(ch, address=_versioned(ch.address, v), versions=(v,), description=_described(ch, v))
-                for v in vs
-            ]
-        elif vs != (1,):
-            raise ValueError(
-                f"schema {schema} v{vs[-1]} needs a subject of its own: add it to shared/contract.py"
-            )
-        else:
-            out.append(ch)
-    return out
-
-
-def _versioned(address: str, version: int) -> str:
-    return address if version == 1 else f"{address}.v{version}"
-
-
-def _described(ch: Channel, version: int) -> str:
-    return ch.description if version == 1 else f"{ch.description}; version {version}"
-
-
-def _channel(schema: str) -> Channel:
-    """The channel of one schema, at its first version."""
-    if schema.startswith("rp.cmd."):
-        return _command(schema)
-    if schema.startswith("rp.sled.vmm.") and schema != "rp.sled.vmm.report":
-        verb = schema.removeprefix("rp.sled.")
-        return Channel(
-            f"rp.sled.{{sled}}.cmd.{verb}",
-            "stream",
-            (schema,),
-            ("instance-manager",),
-            ("sled-agent",),
-            f"a command to one sled: {verb} (stream {subjects.SLED_CMD_STREAM})",
-        )
-    if schema in ("rp.sled.vmm.report", "rp.sled.inventory"):
-        kind = "vmm" if schema == "rp.sled.vmm.report" else "inventory"
-        readers = ("instance-manager",) if kind == "vmm" else ("instance-manager", "recovery")
-        return Channel(
-            f"rp.sled.{{sled}}.report.{kind}",
-            "stream",
-            (schema,),
-            ("sled-agent",),
-            readers,
-            f"a sled's {kind} report (stream {subjects.SLED_REPORT_STREAM})",
-        )
-    if schema == "rp.acct.delta":
-        return Channel(
-            "rp.acct.delta.{silo}.{project}.{instance}",
-            "stream",
-            (schema,),
-            ("instance-manager",),
-            ("accounting",),
-            f"a provisioning delta (stream {subjects.PROVISION_STREAM}, by partition of instance)",
-        )
-    if schema.startswith("rp.evt."):
-        resource, what = schema.removeprefix("rp.evt.").split(".")
-        silo = "_fleet" if resource == "sled" else "{silo}"
-        senders, receivers = EVENTS[schema]
-        return Channel(
-            f"rp.evt.{silo}.{resource}.{what}",
-            "stream",
-            (schema,),
-            senders,
-            receivers,
-            f"event: {resource} {what} (stream {subjects.EVENTS_STREAM}; anyone may follow it)",
-        )
-    if schema.startswith("rp.sim."):
-        return Channel(schema, "request", (schema,), OPERATORS, ("sled-agent",), "simulator control")
-    if schema.startswith("rp.svc."):
-        what = schema.removeprefix("rp.svc.")
-        return Channel(
-            f"rp.svc.{{service}}.{what}",
-            "request",
-            (schema,),
-            OPERATORS,
-            subjects.SERVICES,
-            f"a service's {what}",
-        )
-    raise ValueError(f"schema {schema} has no channel: add it to shared/contract.py")
-
 
 # --- JSON Schema --------------------------------------------------------------------------------------
 
@@ -285,12 +109,6 @@ def json_schema(schema: str, version: int, model: type[Model]) -> dict[str, Any]
         "$defs": {model.__name__: body, **defs},
         "examples": [example(schema, version, model)],
     }
-
-
-EXAMPLES = SCHEMAS / "examples"
-"""One example message per schema and version, written once and never rewritten: the compatibility test
-replays every one of them against today's readers, so a change that breaks an old reader's messages fails
-even after the schemas are written anew."""
 
 
 # --- examples -----------------------------------------------------------------------------------------
@@ -562,57 +380,3 @@ def asyncapi() -> dict[str, Any]:
         "operations": ops,
         "components": {"messages": messages, "replies": replies, "securitySchemes": SECURITY},
     }
-
-
-# --- writing and checking the files ---------------------------------------------------------------------
-
-
-class _Dumper(yaml.SafeDumper):
-    """YAML without anchors and aliases (`&id001`, `*id001`), which some readers of AsyncAPI do not
-    follow: a list two operations share is written out twice."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def rendered() -> dict[Path, str]:
-    """Every file `make schemas` writes, with its content."""
-    out = {
-        SCHEMAS / schema_file(s, v): json.dumps(json_schema(s, v, m), indent=2, sort_keys=True) + "\n"
-        for (s, v), m in sorted(registry().items())
-    }
-    out[SCHEMAS / REPLY_FILE] = json.dumps(reply_schema(), indent=2, sort_keys=True) + "\n"
-    header = "# Written by `make schemas` (python -m shared.contract) from the code: do not edit.\n"
-    out[ASYNCAPI] = header + yaml.dump(asyncapi(), Dumper=_Dumper, sort_keys=False, width=110)
-    return out
-
-
-def drift() -> list[str]:
-    """What differs between the committed files and the code (empty: none)."""
-    files = rendered()
-    out = [
-        f"{p.relative_to(ROOT)} is out of date"
-        for p, text in files.items()
-        if not p.exists() or p.read_text() != text
-    ]
-    out += [f"{p.relative_to(ROOT)} has no schema any more" for p in SCHEMAS.glob("*.json") if p not in files]
-    return out
-
-
-def main() -> None:
-    EXAMPLES.mkdir(parents=True, exist_ok=True)
-    for (s, v), m in sorted(registry().items()):
-        kept = EXAMPLES / schema_file(s, v)
-        if not kept.exists():
-            kept.write_text(json.dumps(example(s, v, m), indent=2, sort_keys=True) + "\n")
-    files = rendered()
-    for stale in set(SCHEMAS.glob("*.json")) - set(files):
-        stale.unlink()
-    for path, text in files.items():
-        path.write_text(text)
-    where = f"{SCHEMAS.relative_to(ROOT)}/ and {ASYNCAPI.relative_to(ROOT)}"
-    print(f"wrote {len(files) - 1} JSON Schemas to {where}")
-
-
-if __name__ == "__main__":
-    main()

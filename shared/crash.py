@@ -16,13 +16,20 @@ from __future__ import annotations
 import logging
 import os
 
-from shared.config import settings
-
 log = logging.getLogger(__name__)
+
+_POINTS: set[str] = set()
+"""The points this process dies at: none until `arm` (service.run arms its settings' crash_at)."""
+
+
+def arm(points: frozenset[str]) -> None:
+    """Die at `points` from now on (a process's RACKPLANE_CRASH_AT, given at its start)."""
+    _POINTS.clear()
+    _POINTS.update(points)
 
 
 def crash_point(name: str) -> None:
-    points = settings().crash_at
+    points = _POINTS
     if points and any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in points):
         log.warning("crashing at %s, as RACKPLANE_CRASH_AT asks", name)
         logging.shutdown()

@@ -1,11 +1,14 @@
 """Fault injection in the bus: what chaos tests and operators turn on to see the invariants hold anyway.
 
-One `Faults` object per process (`FAULTS`), off by default: the bus checks `FAULTS.active`, one attribute,
-and does nothing else while it is off. It is switched at run time through `rp.svc.<service>.faults`
-(`shared.service.serve_faults`, `rackctl chaos`), and every fault it injects is counted in
-`telemetry.COUNTERS` under `faults.<type>`, so a test can tell that the fault really happened.
+One `Faults` object per process (`FAULTS`), off by default. Only a process started with RACKPLANE_FAULTS
+takes it: `install` then puts wrappers on the bus's contact points with the broker (shared/bus/wire.py:
+storing and posting a message, the outbox relay's bulk publish, acking a delivery, handling one,
+answering a request), and the bus itself knows nothing of faults. Faults act there only, on messages in
+flight, never on what a handler decides. They are switched at run time through
+`rp.svc.<service>.faults` (`shared.service.serve_faults`, `rackctl chaos`), and every fault injected is
+counted in `telemetry.COUNTERS` under `faults.<type>`, so a test can tell that the fault really happened.
 
-Outgoing JetStream messages (`bus.publish`, and the outbox relay's publishes) can be
+Outgoing JetStream messages (`bus.publish`, and the outbox relay's `BulkPublisher`) can be
 - delayed: each by a time drawn from [min, max] (the sender waits for its ack that much longer);
 - duplicated: sent N more times, each copy a little later, with the same Nats-Msg-Id (the broker drops
   it inside its window) or, with `bypass_dedupe`, an id of its own (the consumers must drop it);
@@ -17,11 +20,11 @@ Outgoing JetStream messages (`bus.publish`, and the outbox relay's publishes) ca
 
 Consumed messages (`bus.Consumer`) can have
 - their ack held back (the next K, then each with probability p): JetStream redelivers after ack_wait;
-- a slow handler: the first delivery sleeps S seconds inside its handler span before the handler runs.
-  The consumer then handles first deliveries concurrently, each in its own task, so that with S longer
-  than ack_wait the redelivery is fetched and handled *while the first delivery is still in its
-  handler*; the redelivery runs at once and normally wins, the first delivery finishes later and must
-  find nothing left to do. Only first deliveries are slowed, so the pair always ends.
+- a slow handler: the first delivery sleeps S seconds before it is handled, alone, in a task of its own
+  (the consumer goes on with the rest), so that with S longer than ack_wait the redelivery is fetched
+  and handled *while the first delivery is still on its way to its handler*; the redelivery runs at
+  once and normally wins, the first delivery is handled later and must find nothing left to do. Only
+  first deliveries are slowed, so the pair always ends.
 
 Requests a service answers (commands, `bus.serve`) can be
 - handled twice: a duplicate of the request, as a sender's retry would make (the second reply is dropped);
@@ -42,15 +45,20 @@ import logging
 import random
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from shared import telemetry
-from shared.messages import ServiceFaults
+from shared.bus import wire
+from shared.bus.publish import BulkPublisher
+from shared.bus.wire import WIRE, Bulk
+from shared.messages import Reply, ServiceFaults
+from shared.topology import subjects
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +259,9 @@ class Faults:
 
     def _request_fault(self, subject: str) -> Any:
         r = self.settings.requests
-        return r if r is not None and not subject.startswith("rp.svc.") and self.targets(subject) else None
+        if r is None or subjects.is_service_control(subject) or not self.targets(subject):
+            return None
+        return r
 
     def duplicates_request(self, subject: str) -> bool:
         r = self._request_fault(subject)
@@ -333,3 +343,55 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 
 FAULTS = Faults()
 """This process's faults. Off until `rp.svc.<service>.faults` turns something on."""
+
+
+def install() -> None:
+    """Put `FAULTS` on the bus's contact points with the broker (shared/bus/wire.py), once: a process
+    started with RACKPLANE_FAULTS does this before it serves its faults subject. Each wrapper is the plain
+    call while no fault is switched on."""
+    if WIRE.installed is FAULTS:
+        return
+    WIRE.store, WIRE.post, WIRE.store_all = _store, _post, _store_all
+    WIRE.ack, WIRE.later, WIRE.answer = _ack, _later, _answer
+    WIRE.installed = FAULTS
+
+
+async def _store(js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str]) -> api.PubAck:
+    if FAULTS.active:
+        return await FAULTS.publish(js, subject, payload, headers)
+    return await wire.store(js, subject, payload, headers)
+
+
+async def _post(nc: NATS, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+    if FAULTS.active:  # faults apply to what is posted too: through JetStream's publish, acked
+        await FAULTS.publish(nc.jetstream(), subject, payload, headers)
+    else:
+        await wire.post(nc, subject, payload, headers)
+
+
+async def _store_all(publisher: BulkPublisher, messages: Bulk, timeout: float) -> None:
+    """The relay's publish through the fault layer when a fault applies to one of its subjects (it may
+    delay, copy, reorder or refuse them: the rows stay until their acks, so a refused or lost publish is
+    sent again by a later drain)."""
+    if not FAULTS.faults_any_outgoing(subject for subject, _, _ in messages):
+        return await wire.store_all(publisher, messages, timeout)
+    js = publisher.nc.jetstream()
+    acks = [await FAULTS.publish_async(js, *m) for m in messages]
+    await asyncio.wait_for(asyncio.gather(*acks), timeout=timeout)
+
+
+async def _ack(msg: Msg) -> bool:
+    if FAULTS.active and FAULTS.holds_ack(msg):  # held back: JetStream redelivers it after ack_wait
+        return False
+    return await wire.ack(msg)
+
+
+def _later(msg: Msg) -> Awaitable[None] | None:
+    return FAULTS.before_handler(msg) if FAULTS.active and FAULTS.slows(msg) else None
+
+
+async def _answer(msg: Msg, reply: Reply, again: Callable[[], None]) -> None:
+    if FAULTS.active and FAULTS.duplicates_request(msg.subject):
+        again()  # the same request again, as a sender's retry would come; its reply dropped
+    if msg.reply and (not FAULTS.active or await FAULTS.before_reply(msg.subject)):
+        await wire.respond(msg, reply)

@@ -10,9 +10,10 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
-from shared import endpoint, logs, metrics, telemetry
+from shared import crash, endpoint, logs, metrics, telemetry
 from shared.config import ConfigError, Settings, settings
 from shared.db import MigrationError
 
@@ -27,6 +28,7 @@ def run(service: str, main: Callable[[Settings], Awaitable[None]]) -> None:
     except ConfigError as e:
         raise SystemExit(f"{service}: {e}") from None
     logs.setup(service, given.log_level, given.log_format)
+    crash.arm(given.crash_at)
     telemetry.setup_tracing(service, given.traces)
     metrics.setup(service)
     collect_garbage_in_bulk()
@@ -155,8 +157,9 @@ async def serve_stats(
     """Answer `rp.svc.<service>.stats` with the process's counters and gauges (and `extra`, if given): the
     numbers `/metrics` exports (shared/metrics.py). Called once the service is set up, it also makes the
     service ready (`/readyz`)."""
-    from shared import bus, subjects
+    from shared import bus
     from shared.messages import StatsGet
+    from shared.topology import subjects
 
     async def answer(body: StatsGet, msg: Any) -> dict[str, Any]:
         await metrics.sample()
@@ -183,12 +186,14 @@ async def serve_faults(nc: Any, service: str) -> None:
     Every replica of the service subscribes (no queue group), so that each applies what it is asked; the
     requester sees the first reply.
     """
-    from shared import bus, subjects
-    from shared.faults import FAULTS
+    from shared import bus
+    from shared.faults import FAULTS, install
     from shared.messages import ServiceFaults
+    from shared.topology import subjects
 
     if not settings().faults:
         return
+    install()
 
     async def answer(body: ServiceFaults, msg: Any) -> dict[str, Any]:
         FAULTS.configure(body)
@@ -206,7 +211,8 @@ async def connect_bus(settings: Settings, service: str, identity: str | None = N
     The streams are not created here: deploy does that with its stream-administrator identity
     (deploy/streams.py), and no service holds stream-management rights.
     """
-    from shared import bus, subjects
+    from shared import bus
+    from shared.topology import subjects
 
     nc = await bus.connect(
         settings.nats_url,
@@ -225,21 +231,19 @@ async def connect_bus(settings: Settings, service: str, identity: str | None = N
     return nc, nc.jetstream()
 
 
-async def open_database(settings: Settings, schema: str) -> Any:
-    """A pool on the service's own schema, its migrations applied, or (RACKPLANE_MIGRATE=skip) found
-    applied already; with RACKPLANE_MIGRATE=only, the process stops once they are (`Migrated`)."""
+async def open_database(settings: Settings, schema: str, migrations: Path) -> Any:
+    """A pool on the service's own schema, the migrations of the folder `migrations` applied, or
+    (RACKPLANE_MIGRATE=skip) found applied already; with RACKPLANE_MIGRATE=only, the process stops once
+    they are (`Migrated`). The service names its own folder: shared/ knows no service."""
     from shared import db
-    from shared.migrate import migrations_dir
 
     pool = await db.create_pool(settings.database_url, schema)
     try:
         if settings.migrations == "skip":
             async with pool.acquire() as conn:
-                db.require_current(schema, await db.migration_states(conn, migrations_dir(schema)))
+                db.require_current(schema, await db.migration_states(conn, migrations))
             return pool
-        applied = await db.migrate(
-            pool, schema, migrations_dir(schema), lock_timeout=settings.migration_lock_timeout
-        )
+        applied = await db.migrate(pool, schema, migrations, lock_timeout=settings.migration_lock_timeout)
         if applied:
             log.info("%s: applied %s", schema, ", ".join(applied))
         if settings.migrations == "only":

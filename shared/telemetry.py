@@ -7,8 +7,8 @@ standard OTEL_EXPORTER_OTLP_* variables) or `file:PATH` (one JSON span a line, u
 
 Spans follow OpenTelemetry's conventions: PRODUCER for a JetStream publish (and an outbox row, the
 publish to come), CONSUMER for a stream message handled, CLIENT / SERVER for request and reply, CLIENT for
-each PostgreSQL query (shared/db.py); messaging spans are named `<operation> <subject template>`
-(shared/subjects.py `template`) and carry the messaging attributes (`messaging_attributes` below).
+each PostgreSQL query (shared/db/pool.py); messaging spans are named `<operation> <subject template>`
+(shared/topology/subjects.py `template`) and carry the messaging attributes (`messaging_attributes` below).
 
 Counters: plain in-process counts (stale reports ignored, duplicates, dead letters...), readable with the
 `stats` command of each service and on its `/metrics`, so that tests and operators see that a fence really
@@ -42,8 +42,8 @@ from opentelemetry.semconv._incubating.attributes.messaging_attributes import (
 )
 from opentelemetry.trace import SpanKind
 
-from shared import subjects
 from shared.metrics import COUNTERS, count
+from shared.topology import subjects
 
 __all__ = ["COUNTERS", "SpanKind", "count"]
 

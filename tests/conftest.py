@@ -132,7 +132,7 @@ def identities(pytestconfig: pytest.Config) -> Iterator[Path]:
         yield Path(os.environ["RACKPLANE_IDENTITIES"])
         return
     from deploy.identities import Store, standard
-    from rackctl.context import Context, write
+    from rackctl.context import ConnectionContext, write
 
     folder = Path(tempfile.mkdtemp(prefix="rackplane-identities-"))
     sleds = 64
@@ -142,7 +142,7 @@ def identities(pytestconfig: pytest.Config) -> Iterator[Path]:
 
         sleds = max(sleds, SLEDS)
     store = Store.init(folder / "identities", standard(sleds=sleds, test=True))
-    test = Context(url="nats://127.0.0.1:4222", nkey=str(store.seed_file("test")), identity="test")
+    test = ConnectionContext(url="nats://127.0.0.1:4222", nkey=str(store.seed_file("test")), identity="test")
     saved = {k: os.environ.get(k) for k in ("RACKPLANE_IDENTITIES", "RACKCTL_CONTEXT")}
     os.environ["RACKPLANE_IDENTITIES"] = str(store.dir)
     os.environ["RACKCTL_CONTEXT"] = str(write("test", test, folder / "contexts"))
@@ -159,7 +159,8 @@ def identities(pytestconfig: pytest.Config) -> Iterator[Path]:
 
 async def connect_as(stack: Stack, identity: str) -> Any:
     """A NATS connection with one identity's credential (and its private inbox), on `stack`'s broker."""
-    from shared import bus, subjects
+    from shared import bus
+    from shared.topology import subjects
 
     assert stack.security is not None and stack.nats_url
     ctx = stack.security.context(identity, stack.nats_url)
@@ -271,7 +272,7 @@ async def wait_state(
 
 async def assert_invariants(db: asyncpg.Pool, *, at_rest: bool = True, timeout: float = 10.0) -> None:
     """The checker finds nothing (waiting, for at-rest checks, until in-flight work has settled)."""
-    from rackctl.check import check
+    from rackctl.invariants import check
 
     async def clean() -> Any:
         async with db.acquire() as conn:

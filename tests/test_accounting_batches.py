@@ -20,10 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy.stack import Stack
-from services.accounting.ledger import Applied, Charge, Ledger, apply_batch, events
-from shared import bus, subjects
+from services.accounting.ledger import Charge, Decided, Ledger, apply_batch, events
+from shared import bus
 from shared.db import create_pool
 from shared.messages import ProvisionDelta
+from shared.topology import subjects
 from tests.conftest import GiB, assert_invariants, connect_as, counter, eventually, private_rack, unique
 from tests.test_accounting_fence import lifecycle_deltas, silo_ids
 
@@ -118,7 +119,7 @@ class Copy:
 
 
 def outcome_of(r: object) -> tuple[str, str, bool]:
-    assert isinstance(r, Applied), r
+    assert isinstance(r, Decided), r
     return (r.outcome.value, r.reason, r.repeat)
 
 
@@ -209,7 +210,7 @@ async def test_a_repeat_inside_the_duplicate_window_is_not_told_again(stack: Sta
             async with conn.transaction():
                 (late,) = await apply_batch(conn, [c])  # a repeat once the window may have passed
         results = [first, again, later, late]
-        assert all(isinstance(r, Applied) for r in results)
+        assert all(isinstance(r, Decided) for r in results)
         assert [(r.repeat, r.told) for r in results] == [  # type: ignore[union-attr]
             (False, False),
             (True, True),

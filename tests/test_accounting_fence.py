@@ -14,10 +14,11 @@ import asyncpg
 
 from deploy.stack import Stack
 from rackctl.client import Client
-from services.accounting.ledger import Applied, Charge, apply_batch
-from shared import bus, subjects
+from services.accounting.ledger import Charge, Decided, apply_batch
+from shared import bus
 from shared.db import create_pool
 from shared.messages import ProvisionDelta
+from shared.topology import subjects
 from tests.conftest import GiB, JetStreamAs, assert_invariants, counter, eventually, unique
 
 
@@ -136,7 +137,7 @@ async def test_concurrent_applications_of_one_charge_serialize(
             async with pool.acquire() as conn, conn.transaction():
                 await start.wait()
                 [result] = await apply_batch(conn, [Charge(silo, proj, delta)])
-                assert isinstance(result, Applied)
+                assert isinstance(result, Decided)
                 await asyncio.sleep(0.05)  # hold the transaction open while the others queue up
                 return result.outcome.value + (" (repeat)" if result.repeat else "")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy import schemas
 from shared import contract
 from shared.messages import registry
 from tests.npm import npm_ci
@@ -42,7 +43,7 @@ def _check(node: str, document: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_asyncapi_document_passes_the_official_parser_with_no_error_and_no_warning(node: str) -> None:
-    r = _check(node, contract.ASYNCAPI)
+    r = _check(node, schemas.ASYNCAPI)
     assert r.returncode == 0, r.stdout + r.stderr
     summary = r.stdout.splitlines()[-1]
     assert re.match(r"@asyncapi/parser \S+: 0 errors, 0 warnings, ", summary), summary
@@ -61,9 +62,9 @@ def test_the_parser_check_fails_on_a_warning_and_on_a_payload_that_is_no_2020_12
     r = _check(node, tmp_path / "old.yaml")
     assert r.returncode == 1 and re.search(r"^warning asyncapi-info-contact ", r.stdout, re.M), r.stdout
 
-    doc = yaml.safe_load(contract.ASYNCAPI.read_text())
+    doc = yaml.safe_load(schemas.ASYNCAPI.read_text())
     (tmp_path / "schemas").mkdir()
-    for schema in contract.SCHEMAS.glob("*.json"):
+    for schema in schemas.SCHEMAS.glob("*.json"):
         (tmp_path / "schemas" / schema.name).write_text(schema.read_text())
     broken = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "record"}
     (tmp_path / "schemas" / contract.REPLY_FILE).write_text(json.dumps(broken))

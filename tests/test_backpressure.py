@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from rackctl.client import Client
-from services.instance_manager.saga import Executor
-from shared import bus, subjects
+from services.instance_manager.sagas import Executor
+from shared import bus
 from shared.messages import InstanceStart
+from shared.topology import subjects
 from tests.conftest import GiB, Rack, assert_invariants, counter, eventually, private_rack, restart_service
 from tests.test_cli import rackctl
 

@@ -13,9 +13,9 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from rackctl.client import Client
-from shared import subjects
 from shared.bus import MSG_ID
 from shared.messages import Reply
+from shared.topology import subjects
 from tests.conftest import GiB, JetStreamAs, counter, eventually, wait_state
 
 

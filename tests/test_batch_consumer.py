@@ -1,4 +1,4 @@
-"""The batch consumer (shared/bus.py): a poison message in a batch is dead-lettered alone, with the
+"""The batch consumer (shared/bus/consume.py): a poison message in a batch is dead-lettered alone, with the
 reason, and the rest of its batch applies; refusals per message; acks only after the handler returned.
 And its other half, the bulk publisher the outbox relay uses: every message stored, or an error.
 
@@ -16,8 +16,9 @@ import nats
 import nats.js.errors
 import pytest
 
-from shared import bus, subjects
+from shared import bus
 from shared.messages import ProvisionDelta, SledInventory, VmmReport
+from shared.topology import subjects
 from tests.conftest import bare_jetstream, eventually
 
 SILO_ID, PROJECT_ID = uuid.uuid4(), uuid.uuid4()
@@ -43,8 +44,8 @@ async def publish_deltas(js: Any, n: int) -> None:
         await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
 
 
-def deltas_consumer(js: Any, durable: str, handler: bus.BatchHandler, **kw: Any) -> bus.BatchConsumer:
-    return bus.BatchConsumer(
+def deltas_consumer(js: Any, durable: str, handler: bus.BatchHandler, **kw: Any) -> bus.Consumer:
+    return bus.Consumer(
         js, service="test", stream=subjects.PROVISION_STREAM, durable=durable,
         filter_subject="rp.acct.part.>", batch_handler=handler, expect=ProvisionDelta, **kw,
     )  # fmt: skip
@@ -127,9 +128,9 @@ async def test_every_stream_can_hold_a_consumer_for_each_sled_of_a_full_rack(js:
 
 
 async def test_an_inventory_is_kept_for_its_ttl_and_a_vmm_report_beside_it_stays(js: Any) -> None:
-    """Inventories are posted with a TTL (services/sled_agent: `inventory_ttl()`), which the sleds' report
-    stream honours: the week that VMM reports are kept would be some 600 million inventories at 5,000
-    sleds every 5 s, each superseded by the next."""
+    """Inventories are posted with a TTL (services/sled_agent: `Settings.inventory_keep()`), which the
+    sleds' report stream honours: the week that VMM reports are kept would be some 600 million inventories
+    at 5,000 sleds every 5 s, each superseded by the next."""
     assert (await js.stream_info(subjects.SLED_REPORT_STREAM)).config.allow_msg_ttl
     boot = uuid.uuid4()
     inventory = SledInventory(
@@ -140,7 +141,7 @@ async def test_an_inventory_is_kept_for_its_ttl_and_a_vmm_report_beside_it_stays
         instance_id=uuid.uuid4(), state="running", generation=1,
     )  # fmt: skip
     inventory_subject = subjects.sled_report("sled-0", "inventory")
-    await bus.post(js._nc, inventory_subject, inventory, source="test", ttl=2)
+    await bus.publish(js, inventory_subject, inventory, source="test", ttl=2, acked=False)
     await bus.publish(js, subjects.sled_report("sled-0", "vmm"), report, source="test")
 
     async def stored() -> bool:

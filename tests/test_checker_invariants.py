@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from rackctl import check as checker
+from rackctl import invariants as checker
 from rackctl.client import Client
 from tests.conftest import GiB, eventually, make_stack, new_project, wait_state
 

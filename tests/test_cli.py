@@ -26,7 +26,7 @@ from deploy.stack import Stack, free_port
 from rackctl.client import Client
 from rackctl.commands import instance as instance_commands
 from rackctl.commands.args import POOL_NAME_MAX, Ref, instance_path, pool_path
-from rackctl.commands.base import Ctx, Failure
+from rackctl.commands.base import Failure, Invocation
 from rackctl.output import Progress
 from rackctl.sizes import format_size, parse_size
 from shared.bus import CommandError
@@ -160,7 +160,7 @@ def view(state: str, last_error: str | None = None) -> dict[str, Any]:
 
 
 async def wait(client: ScriptedClient, first: dict[str, Any], target: str | None, timeout: float = 5) -> Any:
-    ctx = Ctx(argparse.Namespace(timeout=timeout, json=False, nats="nats://unused"))
+    ctx = Invocation(argparse.Namespace(timeout=timeout, json=False, nats="nats://unused"))
     return await instance_commands._wait_for(ctx, client, Ref("s", "p", "vm"), first, target)  # type: ignore[arg-type]
 
 

@@ -125,7 +125,7 @@ def test_service_reaches_nats_and_postgres_by_service_name(compose: dict[str, An
     assert nats_url.port == int(nats_conf_value("listen").rsplit(":", 1)[1])
     assert "nats" in deps
 
-    # A service with migrations keeps state in PostgreSQL (shared/db.py): it reads its own login (never
+    # A service with migrations keeps state in PostgreSQL (shared/db/): it reads its own login (never
     # the superuser's), written by db-roles (deploy/dbroles.py) on a volume it mounts.
     uses_postgres = (ROOT / "services" / module / "migrations").is_dir()
     assert "DATABASE_URL" not in env, f"{compose_name(module)}: a login is not written into the compose file"

@@ -16,11 +16,13 @@ import jsonschema
 import pytest
 import yaml
 
+from deploy import schemas
 from deploy.stack import Stack
 from rackctl.client import Client
-from services.instance_manager.app import instance_events
-from shared import contract, subjects
+from services.instance_manager.views import instance_events
+from shared import contract
 from shared.messages import BadMessage, InstanceChangedV2, InstanceView, decode, registry, schema_of
+from shared.topology import subjects
 from tests.conftest import JetStreamAs
 from tests.test_bad_input import raw_envelope
 from tests.test_cli import assert_ok, rackctl
@@ -32,21 +34,21 @@ OWN = {"reply", "dead-letter"}
 
 
 def _doc() -> dict[str, Any]:
-    return yaml.safe_load(contract.ASYNCAPI.read_text())
+    return yaml.safe_load(schemas.ASYNCAPI.read_text())
 
 
 def test_the_committed_schemas_and_asyncapi_document_match_the_code() -> None:
-    assert contract.drift() == [], "run `make schemas` and commit what it writes"
+    assert schemas.drift() == [], "run `make schemas` and commit what it writes"
 
 
 def test_every_schema_and_version_has_a_kept_example() -> None:
     missing = [
-        f"{s} v{v}" for s, v in registry() if not (contract.EXAMPLES / contract.schema_file(s, v)).exists()
+        f"{s} v{v}" for s, v in registry() if not (schemas.EXAMPLES / contract.schema_file(s, v)).exists()
     ]
     assert not missing, f"run `make schemas` to write their examples: {missing}"
 
 
-@pytest.mark.parametrize("path", sorted(contract.EXAMPLES.glob("*.json")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted(schemas.EXAMPLES.glob("*.json")), ids=lambda p: p.stem)
 def test_every_kept_example_is_read_by_todays_readers(path: Path) -> None:
     env, _ = decode(path.read_bytes())
     assert (env.schema_, env.version) == tuple(json.loads(path.read_text())[k] for k in ("schema", "version"))
@@ -96,7 +98,7 @@ def test_every_request_reply_operation_has_a_reply_on_the_requesters_inbox() -> 
 
 
 def test_the_reply_schema_is_the_reply_model_and_states_the_error_shape() -> None:
-    schema = json.loads((contract.SCHEMAS / contract.REPLY_FILE).read_text())
+    schema = json.loads((schemas.SCHEMAS / contract.REPLY_FILE).read_text())
     assert schema == contract.reply_schema()
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert schema["required"] == ["ok"] and set(schema["properties"]) == {"ok", "data", "error"}
@@ -112,7 +114,7 @@ def test_the_reply_schema_is_the_reply_model_and_states_the_error_shape() -> Non
 async def test_every_answer_a_service_sends_is_valid_against_the_reply_schema(client: Client) -> None:
     """Real answers, raw off the wire: one carried out, one refused, one to a message that is no envelope."""
     validator = jsonschema.Draft202012Validator(
-        json.loads((contract.SCHEMAS / contract.REPLY_FILE).read_text()),
+        json.loads((schemas.SCHEMAS / contract.REPLY_FILE).read_text()),
         format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER,
     )
     nosuch = f"nosuch-{uuid.uuid4().hex[:8]}"
@@ -137,7 +139,7 @@ def test_every_payload_says_it_is_json_schema_2020_12() -> None:
             continue  # its body is whatever was stored: no schema
         payload = message["payload"]
         assert payload["schemaFormat"] == contract.SCHEMA_FORMAT, name
-        file = contract.ASYNCAPI.parent / payload["schema"]["$ref"]
+        file = schemas.ASYNCAPI.parent / payload["schema"]["$ref"]
         assert json.loads(file.read_text())["$schema"] == "https://json-schema.org/draft/2020-12/schema", name
 
 
@@ -148,7 +150,9 @@ def test_the_dead_letter_channel_names_every_header_the_filer_writes() -> None:
     assert subjects.DLQ_STREAM in channel["description"]
     assert set(channel["parameters"]) == {"service", "consumer"}
     headers = doc["components"]["messages"]["dead-letter"]["headers"]
-    written = set(re.findall(r"\"(Rp-Dlq-[A-Za-z]+)\"", (ROOT / "shared" / "bus.py").read_text()))
+    written = set(
+        re.findall(r"\"(Rp-Dlq-[A-Za-z]+)\"", (ROOT / "shared" / "bus" / "deadletter.py").read_text())
+    )
     assert len(written) >= 6, "the pattern still matches the filer's headers"
     assert set(headers["properties"]) == written | {"Nats-Msg-Id"}
     assert set(headers["required"]) == set(headers["properties"]) - {"Rp-Dlq-Truncated"}
@@ -205,7 +209,7 @@ def test_channel_addresses_are_the_subjects_the_code_uses() -> None:
 
 
 def _view(**changes: object) -> InstanceView:
-    example = json.loads((contract.EXAMPLES / "rp.evt.instance.changed.v1.json").read_text())
+    example = json.loads((schemas.EXAMPLES / "rp.evt.instance.changed.v1.json").read_text())
     return InstanceView.model_validate({**example["data"]["instance"], "silo": "acme", **changes})
 
 
@@ -224,7 +228,7 @@ def test_instance_manager_sends_v2_on_its_subject_and_v1_beside_it_in_the_window
 
 
 def test_the_v2_example_is_kept_and_read_and_v2_requires_the_boot_numbers() -> None:
-    kept = contract.EXAMPLES / "rp.evt.instance.changed.v2.json"
+    kept = schemas.EXAMPLES / "rp.evt.instance.changed.v2.json"
     _, body = decode(kept.read_bytes())
     assert isinstance(body, InstanceChangedV2) and body.instance.vmm_boot_number is not None
     example = json.loads(kept.read_text())
@@ -243,7 +247,7 @@ def test_the_v2_example_is_kept_and_read_and_v2_requires_the_boot_numbers() -> N
 
 
 def test_v1_and_v2_of_the_instance_event_each_have_a_channel_in_asyncapi() -> None:
-    doc = yaml.safe_load(contract.ASYNCAPI.read_text())
+    doc = yaml.safe_load(schemas.ASYNCAPI.read_text())
     chans = {ch["address"]: set(ch["messages"]) for ch in doc["channels"].values()}
     assert chans["rp.evt.{silo}.instance.changed"] == {"rp.evt.instance.changed.v1"}
     assert chans["rp.evt.{silo}.instance.changed.v2"] == {"rp.evt.instance.changed.v2"}
@@ -254,10 +258,10 @@ def test_v1_and_v2_of_the_instance_event_each_have_a_channel_in_asyncapi() -> No
 
 
 def test_events_are_read_tolerantly_and_commands_strictly() -> None:
-    event = json.loads((contract.EXAMPLES / "rp.evt.provision.outcome.v1.json").read_text())
+    event = json.loads((schemas.EXAMPLES / "rp.evt.provision.outcome.v1.json").read_text())
     event["data"]["added_later"] = "an optional field a newer producer sends"
     decode(json.dumps(event).encode())
-    command = json.loads((contract.EXAMPLES / "rp.cmd.instance.start.v1.json").read_text())
+    command = json.loads((schemas.EXAMPLES / "rp.cmd.instance.start.v1.json").read_text())
     command["data"]["added_later"] = 1
     with pytest.raises(BadMessage, match="added_later"):
         decode(json.dumps(command).encode())

@@ -19,7 +19,7 @@ from shared.db import owner_role
 from tests.test_cli import assert_ok, rackctl
 
 DENIED = (asyncpg.InsufficientPrivilegeError, asyncpg.ReadOnlySQLTransactionError)
-# A table each service has: a migration bookkeeping table, made by shared/db.py in every schema.
+# A table each service has: a migration bookkeeping table, made by shared/db/migrations.py in every schema.
 TABLE = "schema_migrations"
 
 

@@ -17,14 +17,14 @@ import asyncpg
 import nats.errors
 import pytest
 
+from deploy.migrations import migrations_dir
 from deploy.stack import Stack
 from rackctl.client import Client
-from services.instance_manager.app import Q
+from services.instance_manager.base import Q
 from services.instance_manager.pools import P
 from shared.bus import CommandError
 from shared.db import create_pool, migrate
 from shared.messages import ProjectDeleted, Quota, SiloDeleted, SiloLimitsSet, decode
-from shared.migrate import migrations_dir
 from tests.conftest import GiB, assert_invariants, eventually, unique
 from tests.test_cli import ROOT, _env, assert_ok, rackctl
 

@@ -18,10 +18,10 @@ import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from rackctl import dlq
+from rackctl import dead_letters as dlq
 from rackctl.client import Client
-from shared import subjects
 from shared.bus import DLQ_TRUNCATED, MSG_ID, CommandError, wire_size
+from shared.topology import subjects
 from tests.conftest import JetStreamAs, connect_as, eventually, unique
 from tests.test_bad_input import raw_envelope
 from tests.test_cli import assert_ok, rackctl

@@ -17,11 +17,12 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from deploy.stack import Stack
-from rackctl import dlq, stored
+from rackctl import dead_letters as dlq
+from rackctl import stored
 from rackctl.client import Client
-from shared import subjects
 from shared.bus import MSG_ID, CommandError
 from shared.messages import ProvisionDelta, SledInventory, VmmDestroy, VmmReport, VmmState, encode, envelope
+from shared.topology import subjects
 from tests.conftest import GiB, JetStreamAs, eventually, unique, usage_is, wait_state
 from tests.test_cli import assert_ok, rackctl
 

@@ -1,7 +1,7 @@
 """Fault injection in the bus (shared/faults.py), `rackctl chaos` and `rackctl check`.
 
 Each fault test shows the fault really happened (its `faults.<type>` counter moved, read through
-`rp.svc.<service>.faults`) and that the invariants held anyway: `rackctl.check.check` clean at rest, the
+`rp.svc.<service>.faults`) and that the invariants held anyway: `rackctl.invariants.check` clean at rest, the
 broker's consumers included, and the totals exact. Faults are only ever set on a private stack (whose
 consumers wait 1 s for an ack, so redeliveries come quickly), and every test clears what it set.
 """
@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -24,9 +26,9 @@ import pytest
 from nats.js import api
 
 from deploy.stack import Stack
-from rackctl.check import check, consumers_settled, no_zombie_vmms
 from rackctl.client import Client
-from shared import faults, subjects, telemetry
+from rackctl.invariants import check, consumers_settled, no_zombie_vmms
+from shared import faults, telemetry
 from shared.bus import CommandError
 from shared.messages import (
     DelayFault,
@@ -43,6 +45,7 @@ from shared.messages import (
     encode,
     envelope,
 )
+from shared.topology import subjects
 from tests.conftest import GiB, counter, eventually, make_stack, new_project, usage_is, wait_state
 from tests.test_cli import assert_ok, rackctl, rackctl_offline
 
@@ -72,6 +75,20 @@ def _msg(n: int, subject: str = "rp.acct.delta.s.p") -> tuple[str, bytes, dict[s
 
 def _injected(kind: str) -> int:
     return telemetry.COUNTERS.get(f"faults.{kind}", 0)
+
+
+def test_the_bus_and_the_services_know_nothing_of_faults() -> None:
+    """Faults are wrappers put on the bus's contact points with the broker (`faults.install`, when a
+    process starts with RACKPLANE_FAULTS): no module of the bus checks for them, and no service code can
+    read a fault setting, so none can switch off a fence or a check."""
+    root = Path(__file__).resolve().parent.parent
+    aware = [
+        p.relative_to(root).as_posix()
+        for top in ("shared/bus", "services")
+        for p in sorted((root / top).rglob("*.py"))
+        if re.search(r"\bFAULTS\b|shared\.faults|from shared import .*\bfaults\b", p.read_text())
+    ]
+    assert aware == []
 
 
 def test_faults_are_off_by_default() -> None:

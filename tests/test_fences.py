@@ -18,9 +18,9 @@ import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from rackctl.check import check, no_wrongful_kills, sled_boots
 from rackctl.client import Client
-from shared import bus, subjects
+from rackctl.invariants import check, no_wrongful_kills, sled_boots
+from shared import bus
 from shared.messages import (
     AutoRestart,
     HoldAcksFault,
@@ -33,6 +33,7 @@ from shared.messages import (
     VmmStuck,
     VmmZombie,
 )
+from shared.topology import subjects
 from tests.conftest import (
     GiB,
     Rack,
@@ -357,7 +358,7 @@ HOLD_LEASE = (
     "UPDATE instance_manager.sagas SET lease_owner = $2, "
     "lease_until = CASE WHEN $2::text IS NOT NULL THEN now() + interval '1 hour' END WHERE id = $1"
 )
-"""Hold a saga's lease as another process would (services/instance_manager/saga.py), or ($2 NULL) free it."""
+"""Hold a saga's lease as another process would (services/instance_manager/sagas/), or ($2 NULL) free it."""
 
 
 @pytest.mark.parametrize("step", ["create_vmm", "ensure_on_sled"])
@@ -418,8 +419,9 @@ async def _dead(stack: Stack) -> bool:
 
 
 async def test_the_checker_reports_a_wrongful_kill_and_nothing_after_a_real_reboot(rack: MakeRack) -> None:
-    """With the fence switched off on purpose, a lost-VMM order that claims a reboot that never happened
-    fails a healthy instance: the checker, holding the failure against the sled's boot history, says so.
+    """With instance-manager's records lied to on purpose (a reboot of the sled that never happened,
+    written into its database), a lost-VMM order that claims that reboot passes the fence and fails a
+    healthy instance: the checker, holding the failure against the sled's own boot history, says so.
     A real reboot's failures it accepts."""
     stack, client, db = await rack(RACKPLANE_SLEDS="2")
     silo, proj = await new_project(client)
@@ -435,8 +437,12 @@ async def test_the_checker_reports_a_wrongful_kill_and_nothing_after_a_real_rebo
     async with db.acquire() as conn:
         assert await no_wrongful_kills(conn, await sled_boots(client.nc) or {}) == []
 
-    await client.faults("instance-manager", ServiceFaults(skip_order_fence=True))
     boot = v["vmm_boot_number"]
+    liar = await asyncpg.connect(stack.admin_database_url)
+    try:  # later inventories of the sled, of an older boot, are ignored: the lie stands
+        await liar.execute(PLANT_BOOT, v["sled_id"], boot + 1)
+    finally:
+        await liar.close()
     lie = VmmLost(
         instance_id=uuid.UUID(v["id"]),
         generation=v["generation"],
@@ -446,12 +452,15 @@ async def test_the_checker_reports_a_wrongful_kill_and_nothing_after_a_real_rebo
         sled_boot=boot + 1,
     )
     await order(stack, lie)
-    await client.clear_faults()
     await wait_state(client, silo, proj, "victim", "stopped")
     async with db.acquire() as conn:
         found = await check(conn, at_rest=True, js=client.nc.jetstream(), nc=client.nc)
     wrongful = [line for line in found if "wrongful kill" in line]
     assert len(wrongful) == 1 and "instance victim" in wrongful[0], found
+
+
+PLANT_BOOT = "UPDATE instance_manager.sleds SET boot_number = $2 WHERE id = $1"
+"""A reboot of sled $1 (its boot $2) that never happened, in instance-manager's records."""
 
 
 async def _moved_off(client: Client, silo: str, proj: str, name: str, sled_id: str) -> Any:

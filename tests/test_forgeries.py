@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from rackctl.client import Client
 from shared import messages as m
-from shared import subjects
 from shared.bus import MSG_ID
 from shared.messages import ProvisionDelta, ProvisionOutcome, encode, envelope
+from shared.topology import subjects
 from tests.conftest import GiB, JetStreamAs, counter, eventually, unique, usage_is, wait_state
 from tests.test_bad_input import dead_letter
 

@@ -1,4 +1,4 @@
-"""Group commit (shared/db.py GroupCommit): requests that come while a batch is applied go together in
+"""Group commit (shared/db/group_commit.py): requests that come while a batch is applied go together in
 the next one, each gets its own result, and a batch that fails is tried again a request at a time so
 that only the bad one fails."""
 

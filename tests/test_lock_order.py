@@ -20,14 +20,15 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from deploy.migrations import migrations_dir
 from deploy.stack import Stack
 from rackctl.client import Client
 from services.accounting.ledger import Charge, apply_batch
 from services.instance_manager import lifecycle
-from services.instance_manager.app import App, Q
+from services.instance_manager.app import App
+from services.instance_manager.base import Q
 from shared.db import create_pool, migrate
 from shared.messages import ProvisionDelta
-from shared.migrate import migrations_dir
 from tests.conftest import GiB, unique
 
 

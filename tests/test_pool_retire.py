@@ -28,7 +28,7 @@ WHERE p.name = $1 AND i.state = 'destroyed'
 
 @asynccontextmanager
 async def keeper_held(stack: Stack) -> AsyncIterator[None]:
-    """No keeper pass runs meanwhile: the test holds the keeper's pass lock (shared/db.py PassLock)."""
+    """No keeper pass runs meanwhile: the test holds the keeper's pass lock (shared/db/locks.py PassLock)."""
     assert stack.admin_database_url is not None
     conn = await asyncpg.connect(stack.admin_database_url)
     try:

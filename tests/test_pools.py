@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from rackctl.check import pool_vms_handed_out_once
 from rackctl.client import Client
-from shared import bus, subjects
+from rackctl.invariants import pool_vms_handed_out_once
+from shared import bus
 from shared.bus import CommandError
 from shared.messages import PoolChanged, PoolView, SimFaults
+from shared.topology import subjects
 from tests.conftest import (
     GiB,
     Rack,

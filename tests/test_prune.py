@@ -16,8 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from rackctl.check import check
 from rackctl.client import Client
+from rackctl.invariants import check
 from shared.config import ConfigError, Settings
 from tests.conftest import GiB, assert_invariants, counter, eventually, private_rack, unique, wait_state
 

@@ -20,9 +20,10 @@ import pytest
 from nats.js import api
 from pydantic import ValidationError
 
-from shared import bus, contract, subjects
+from shared import bus, contract
 from shared.messages import ProvisionDelta, decode, encode, encode_envelope, envelope, registry
 from shared.messages.base import Model, read_body
+from shared.topology import subjects
 from tests.conftest import bare_jetstream, eventually
 
 SILO_ID, PROJECT_ID = uuid.uuid4(), uuid.uuid4()
@@ -43,8 +44,8 @@ async def publish_deltas(js: Any, generations: range) -> None:
         await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
 
 
-def consumer(js: Any, durable: str, handler: bus.BatchHandler) -> bus.BatchConsumer:
-    return bus.BatchConsumer(
+def consumer(js: Any, durable: str, handler: bus.BatchHandler) -> bus.Consumer:
+    return bus.Consumer(
         js, service="test", stream=subjects.PROVISION_STREAM, durable=durable,
         filter_subject="rp.acct.part.>", batch_handler=handler, expect=ProvisionDelta,
     )  # fmt: skip

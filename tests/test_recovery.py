@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from rackctl.client import Client
-from shared import subjects
 from shared.bus import CommandError
 from shared.messages import AutoRestart, ServiceFaults, SimFaults
+from shared.topology import subjects
 from tests.conftest import (
     GiB,
     Rack,
@@ -227,8 +227,9 @@ async def test_a_reboot_whose_first_inventory_is_lost_is_answered_and_still_noti
 async def test_a_zombie_vmm_is_destroyed(rack: MakeRack) -> None:
     import uuid
 
-    from shared import bus, subjects
+    from shared import bus
     from shared.messages import VmmEnsure
+    from shared.topology import subjects
 
     stack, client, _ = await rack(RACKPLANE_SLEDS="1")
     zombie = VmmEnsure(vmm_id=uuid.uuid4(), instance_id=uuid.uuid4(), vcpus=1, ram_bytes=GiB)

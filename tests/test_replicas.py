@@ -12,8 +12,9 @@ import asyncpg
 
 from deploy.stack import Stack
 from rackctl.client import Client
-from shared import bus, subjects
+from shared import bus
 from shared.messages import InstanceShow, InstanceStart
+from shared.topology import subjects
 from tests.conftest import GiB, assert_invariants, eventually, private_rack, unique, wait_state
 from tests.test_observability import fetch, scrape
 

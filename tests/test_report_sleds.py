@@ -16,9 +16,10 @@ from rackctl.client import Client
 from services.instance_manager import lifecycle
 from services.instance_manager.app import App
 from services.instance_manager.main import SCHEMA
-from shared import bus, db, subjects
+from shared import bus, db
 from shared.bus import MSG_ID
 from shared.messages import VmmReport, VmmState, encode, envelope
+from shared.topology import subjects
 from tests.conftest import (
     GiB,
     assert_invariants,

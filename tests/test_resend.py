@@ -18,7 +18,7 @@ import pytest
 
 from deploy.stack import Stack
 from rackctl.client import NO_SERVICE_FOR, Client
-from shared import bus, subjects
+from shared import bus
 from shared.messages import (
     InstanceCreate,
     PoolDelete,
@@ -29,6 +29,7 @@ from shared.messages import (
     SiloLimitsSet,
     StatsGet,
 )
+from shared.topology import subjects
 from tests.conftest import (
     GiB,
     assert_invariants,

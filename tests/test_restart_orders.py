@@ -11,8 +11,9 @@ import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from shared import bus, subjects
+from shared import bus
 from shared.messages import AutoRestart, InstanceRestart, SimFaults
+from shared.topology import subjects
 from tests.conftest import GiB, connect_as, counter, eventually, new_project, private_rack, wait_state
 
 

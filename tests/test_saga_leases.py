@@ -1,4 +1,4 @@
-"""A saga runs in one process at a time, under a lease kept in its row (services/instance_manager/saga.py),
+"""A saga runs in one process at a time, under a lease kept in its row (services/instance_manager/sagas/),
 not under a lock that a connection holds: instance-manager replicas whose database connections are all
 killed mid-saga keep their sagas, none is run by two processes at once, and all finish. A process whose
 lease was taken commits nothing more of that saga. The checker's no_saga_run_twice sees a saga that two
@@ -10,14 +10,13 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from rackctl.check import no_saga_run_twice
-from services.instance_manager.saga import Context, Executor, Saga, Step
+from rackctl.invariants import no_saga_run_twice
+from services.instance_manager.sagas import Context, Executor, Output, Saga, Step
 from shared.bus import CommandError
 from shared.db import create_pool
 from shared.messages import DelayFault, ServiceFaults
@@ -64,13 +63,16 @@ async def test_a_process_whose_lease_was_taken_commits_no_step_of_that_saga(
     async def first(ctx: Context) -> None:
         return None
 
-    async def second(ctx: Context) -> dict[str, Any]:
+    class By(Output):
+        by: str
+
+    async def second(ctx: Context) -> By:
         if not ran:
             ran.append("a")
             await gate.wait()  # process a stalls here, past its lease
         else:
             ran.append("b")
-        return {"by": ran[-1]}
+        return By(by=ran[-1])
 
     async def third(ctx: Context) -> None:
         return None
@@ -113,9 +115,9 @@ async def test_a_process_whose_lease_was_taken_commits_no_step_of_that_saga(
 async def test_leases_are_renewed_while_their_process_runs_and_released_when_it_stops(
     scratch: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.instance_manager import saga
+    from services.instance_manager.sagas import engine
 
-    monkeypatch.setattr(saga, "RENEW", 0.05)
+    monkeypatch.setattr(engine, "RENEW", 0.05)
 
     async def first(ctx: Context) -> None:
         return None

@@ -1,4 +1,4 @@
-"""Sagas take turns (services/instance_manager/saga.py AT_ONCE): however many are launched in the
+"""Sagas take turns (services/instance_manager/sagas/engine.py AT_ONCE): however many are launched in the
 background, at most AT_ONCE run at a time in a process, the rest wait before their second step, and every
 one is run; a saga a caller waits for (a user's command) runs at once."""
 
@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from services.instance_manager import saga
-from services.instance_manager.saga import Executor
+from services.instance_manager.sagas import Executor
+from services.instance_manager.sagas import engine as saga
 
 
 async def test_no_more_than_at_once_sagas_run_together_and_all_run(monkeypatch: pytest.MonkeyPatch) -> None:

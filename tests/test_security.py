@@ -31,8 +31,9 @@ from deploy.identities import Grants, Identity
 from deploy.security import BrokerSecurity
 from deploy.stack import Nats, Stack, free_port
 from rackctl.client import Client
-from shared import bus, subjects
+from shared import bus
 from shared.messages import InstanceList, ServiceFaults, SimSledFreeze, SimSledList, SledList
+from shared.topology import subjects
 from tests.conftest import GiB, connect_as, eventually, make_stack, sleds_known, unique, wait_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -651,7 +652,7 @@ def test_docs_show_the_generated_matrix() -> None:
 async def test_rackctl_check_runs_with_the_auditor_identity(stack: Stack, db: Any) -> None:
     """The broker's checks (consumers, inventories, pool events) need nothing but the auditor's reads: a
     missing grant would make one of them fail (time out) instead of coming back clean."""
-    from rackctl.check import check
+    from rackctl.invariants import check
 
     auditor = await connect_as(stack, "auditor")
     try:

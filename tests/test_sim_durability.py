@@ -18,9 +18,9 @@ import pytest
 from deploy.stack import Stack
 from rackctl.client import Client
 from rackctl.sizes import format_size
-from shared import subjects
 from shared.bus import CommandError
 from shared.messages.simulator import SimSledCapacity
+from shared.topology import subjects
 from tests.conftest import (
     GiB,
     Rack,

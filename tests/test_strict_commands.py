@@ -16,9 +16,10 @@ import pytest
 from deploy import identities
 from deploy.stack import Stack
 from rackctl.client import Client
-from shared import contract, subjects
+from shared import contract
 from shared.messages import BadMessage, Reply, decode, registry
 from shared.messages.base import storable
+from shared.topology import subjects
 from tests.conftest import GiB, connect_as, new_project
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 
 from deploy.stack import Stack
-from rackctl import check as checker
+from rackctl import invariants as checker
 from rackctl.client import Client
-from shared import bus, subjects
+from shared import bus
 from shared.messages import AutoRestart, SimFaults, VmmStuck
+from shared.topology import subjects
 from tests.conftest import (
     GiB,
     Rack,

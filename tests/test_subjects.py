@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from shared import subjects
+from shared import topology
 from shared.messages import registry
+from shared.topology import subjects
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "subjects.md"
@@ -79,14 +80,14 @@ def test_every_command_subject_is_documented(doc: str) -> None:
 
 
 def test_every_durable_consumer_is_documented(doc: str) -> None:
-    """Durable names in the services (an f-string's `{...}` stands for a documented `<token>`)."""
-    code = "\n".join(p.read_text() for p in sorted((ROOT / "services").rglob("*.py")))
-    durables = set(re.findall(r"durable=(f?\"[^\"]+\")", code))
-    assert '"recovery-sleds"' in durables and "durable=subjects.sled_durable(" in code  # still as written
-    durables.add(f'f"{subjects.sled_durable("{sled}")}"')
+    """Every durable of the topology (a `{...}` stands for a documented `<token>`; the partitions' durables
+    are a range, documented by its first and its last)."""
+    durables = {d.name for d in topology.DURABLES if d not in topology.ACCOUNTING_DELTAS[1:-1]}
+    assert "recovery-sleds" in durables  # still as named
+    durables.add(subjects.sled_durable("{sled}"))
     missing = []
     for d in sorted(durables):
-        pattern = re.sub(r"\\\{[^}]*\\\}", "<[a-z_]+>", re.escape(d.removeprefix("f").strip('"')))
+        pattern = re.sub(r"\\\{[^}]*\\\}", "<[a-z_]+>", re.escape(d))
         if not re.search(f"`{pattern}`", doc):
             missing.append(d)
     assert not missing, f"durable consumers missing from {DOC.name}: {missing}"
@@ -103,14 +104,16 @@ def test_every_error_code_is_documented(doc: str) -> None:
 
 
 def test_dead_letter_headers_are_documented(doc: str) -> None:
-    headers = set(re.findall(r"\"(Rp-Dlq-[A-Za-z]+)\"", (ROOT / "shared" / "bus.py").read_text()))
-    assert headers, "no Rp-Dlq-* header found in shared/bus.py"
+    headers = set(
+        re.findall(r"\"(Rp-Dlq-[A-Za-z]+)\"", (ROOT / "shared" / "bus" / "deadletter.py").read_text())
+    )
+    assert headers, "no Rp-Dlq-* header found in shared/bus/deadletter.py"
     missing = sorted(h for h in headers if f"`{h}`" not in doc)
     assert not missing, f"dead-letter headers missing from {DOC.name}: {missing}"
 
 
 def test_documented_shapes_match_the_builders(doc: str) -> None:
-    """The subject shapes the doc gives are the ones shared/subjects.py builds."""
+    """The subject shapes the doc gives are the ones shared/topology/subjects.py builds."""
     assert subjects.command(None, "silo", "list") == "rp.cmd._fleet.silo.list"
     assert subjects.command("acme", "instance", "start") == "rp.cmd.acme.instance.start"
     assert subjects.command_pattern("instance") == "rp.cmd.*.instance.*"

@@ -21,7 +21,8 @@ from nats.js import api
 from deploy import subscribers
 from deploy.stack import Stack
 from rackctl.client import Client
-from shared import bus, subjects
+from shared import bus
+from shared.topology import subjects
 from tests.conftest import GiB, connect_as, eventually, unique, wait_state
 from tests.test_cli import rackctl
 

@@ -19,8 +19,9 @@ from deploy import identities
 from deploy.stack import Stack
 from rackctl.client import Client
 from services.instance_manager.limits import Limiter
-from shared import bus, subjects
+from shared import bus
 from shared.messages import PoolList, ProjectCreate, ProjectList, SiloLimitsSet, encode, envelope
+from shared.topology import subjects
 from tests.conftest import GiB, eventually, unique
 from tests.test_cli import ROOT, rackctl
 
@@ -162,7 +163,8 @@ LOUD_RATE = int(os.environ.get("LOUD_RATE", "0"))
 FLOOD = """
 import asyncio, json, sys, time
 from pathlib import Path
-from shared import bus, subjects
+from shared import bus
+from shared.topology import subjects
 from shared.messages import InstanceShow
 
 async def main(url, seed, identity, ca, silo, stop, concurrency):

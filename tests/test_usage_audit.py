@@ -9,8 +9,8 @@ import asyncpg
 import pytest
 
 from deploy.stack import Stack
-from rackctl.audit import Drift, Resources, exact_size
 from rackctl.client import Client
+from rackctl.invariants.audit import Drift, Resources, exact_size
 from tests.conftest import GiB, unique, usage_is, wait_state
 from tests.test_cli import Run, assert_ok, rackctl
 

@@ -13,9 +13,10 @@ from nats.aio.msg import Msg
 
 from rackctl.client import Client
 from services.recovery.reconcile import Reconciler
-from shared import bus, subjects
+from shared import bus
 from shared.config import ConfigError, Settings
 from shared.messages import AutoRestart, LostVmm, VmmLost, VmmLostV2
+from shared.topology import subjects
 from tests import release
 from tests.conftest import (
     GiB,

@@ -7,7 +7,7 @@
 --   checker       the read-only role of `rackctl check` (roles_common.sql)
 --
 -- Migrations: `app` is a member of `owner` without inheriting its rights (NOINHERIT), so its sessions
--- have only the DML granted below until shared/db.py's migrate() says `SET ROLE owner`, and `RESET ROLE`
+-- have only the DML granted below until shared/db/migrations.py's migrate() says `SET ROLE owner`, and `RESET ROLE`
 -- when done. The most a stolen `app` password gains is DDL on its own schema, never another's.
 
 CREATE ROLE :"owner" NOLOGIN;

@@ -1,4 +1,4 @@
-"""What every command module shares: the command table, the `Ctx` a command runs with, its errors.
+"""What every command module shares: the command table, the `Invocation` a command runs with, its errors.
 
 A command is one function registered with `@command("group verb", ...)`; `rackctl.main` builds the parser
 from that table, so a new command group is a new module of functions, not parser code.
@@ -46,8 +46,10 @@ class UnknownName(Exception):
 
 
 @dataclass
-class Ctx:
-    """What a command runs with: its arguments, a lazily connected client, and its own deadline."""
+class Invocation:
+    """One run of a command, what it runs with: its arguments, a lazily connected client, and its own
+    deadline. (A rackctl context, rackctl/context.py, is where it connects; nats's JetStreamContext is the
+    broker's API.)"""
 
     args: argparse.Namespace
     started: float = field(default_factory=time.monotonic)
@@ -79,7 +81,9 @@ class Ctx:
             human(data)
 
 
-Runner = Callable[[Ctx], Awaitable[None]]
+"""The name `Invocation` had before; kept for command modules not renamed yet."""
+
+Runner = Callable[[Invocation], Awaitable[None]]
 Option = Callable[[argparse.ArgumentParser], None]
 
 
@@ -154,7 +158,7 @@ SHAPE_OPTIONS = {"vcpus": "--cpus", "ram_bytes": "--ram", "disk_bytes": "--disk"
 
 
 async def emit_pages(
-    ctx: Ctx, body: Paged, headers: tuple[str, ...], row: Callable[[dict[str, Any]], tuple[Any, ...]]
+    ctx: Invocation, body: Paged, headers: tuple[str, ...], row: Callable[[dict[str, Any]], tuple[Any, ...]]
 ) -> None:
     """A list, page by page: a table that starts with the first page, or (--json) the whole list."""
     client = await ctx.client()

@@ -9,10 +9,11 @@ import argparse
 from typing import Any
 
 from rackctl.commands.args import count, duration, json_flag, probability
-from rackctl.commands.base import Ctx, Failure, UsageError, command, validated
+from rackctl.commands.base import Failure, Invocation, UsageError, command, validated
 from rackctl.output import print_table
-from shared import bus, subjects
+from shared import bus
 from shared.messages import ServiceFaults
+from shared.topology import subjects
 
 
 def _chaos_options(p: argparse.ArgumentParser) -> None:
@@ -124,7 +125,7 @@ def _chaos_request(a: argparse.Namespace) -> ServiceFaults:
         "rackctl chaos accounting --clear",
     ),
 )
-async def chaos(ctx: Ctx) -> None:
+async def chaos(ctx: Invocation) -> None:
     a = ctx.args
     body = _chaos_request(a)
     if a.service == "status" and body != ServiceFaults():

@@ -1,4 +1,4 @@
-"""`rackctl check`: run the invariant checker (rackctl/check.py) as a command, for scripts and operators.
+"""`rackctl check`: run the invariant checker (rackctl/invariants/) as a command, for scripts and operators.
 
 Exit 0 when every invariant holds, 1 with one line per violation; at rest, what fails while work is still
 in flight is looked at again before it counts.
@@ -12,11 +12,12 @@ from typing import Any
 import asyncpg
 from nats.js import JetStreamContext
 
-from rackctl import check as checker
-from rackctl import dlq
+from rackctl import dead_letters
+from rackctl import invariants as checker
 from rackctl.commands.args import duration, json_flag
-from rackctl.commands.base import Ctx, Failure, command
+from rackctl.commands.base import Failure, Invocation, command
 from rackctl.commands.database import connect, database_url_option
+from rackctl.invariants.timings import Timings
 from rackctl.settle import settled
 from shared.config import dead_letter_alert
 
@@ -59,7 +60,7 @@ def _check_options(p: argparse.ArgumentParser) -> None:
         "rackctl check --no-at-rest --json  # from the database alone",
     ),
 )
-async def check_invariants(ctx: Ctx) -> None:
+async def check_invariants(ctx: Invocation) -> None:
     a = ctx.args
     conn = await connect(a)
     js: JetStreamContext | None = None
@@ -81,7 +82,7 @@ async def check_invariants(ctx: Ctx) -> None:
     if js is not None and within > 0:
         checks.append("no_recent_dead_letters")
         try:
-            depth = await dlq.depth(js, within)
+            depth = await dead_letters.depth(js, within)
         except Exception as e:  # a broker that went away, an identity that may not read the DLQ
             violations.append(f"dead letters not read: {type(e).__name__}: {e}")
         else:
@@ -103,9 +104,11 @@ async def check_invariants(ctx: Ctx) -> None:
 async def _settled(conn: asyncpg.Connection, at_rest: bool, js: Any, nc: Any, settle: float) -> list[str]:
     """The checker's findings once they hold still: an at-rest check fails while work is in flight (a
     delete's saga, an event on its way), so what fails is looked at again until it passes or `settle`
-    seconds have gone by; a violation that lasts that long is reported. Without --at-rest, one look."""
+    seconds have gone by; a violation that lasts that long is reported. Without --at-rest, one look. The
+    service timings the checks judge by are this process's settings, read once."""
+    timings = Timings.from_env()
     return await settled(
-        lambda: checker.check(conn, at_rest=at_rest, js=js, nc=nc),
+        lambda: checker.check(conn, at_rest=at_rest, js=js, nc=nc, timings=timings),
         settle if at_rest else 0,
         label="check",
         status=lambda found, left: f"{len(found)} not passing yet, looking again for {left:.0f}s more",

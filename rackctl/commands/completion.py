@@ -28,7 +28,7 @@ from typing import Any
 import argcomplete
 
 from rackctl.client import Client
-from rackctl.commands.base import Ctx, command
+from rackctl.commands.base import Invocation, command
 from shared.messages import InstanceList
 
 SHELLS = ("bash", "zsh")
@@ -133,7 +133,7 @@ def _shell_arg(p: argparse.ArgumentParser) -> None:
         "rackctl completion zsh > ~/.zfunc/_rackctl  # zsh, with ~/.zfunc in $fpath before compinit",
     ),
 )
-async def completion(ctx: Ctx) -> None:
+async def completion(ctx: Invocation) -> None:
     print(shellcode(ctx.args.shell), end="")
 
 

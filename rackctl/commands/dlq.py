@@ -4,7 +4,7 @@ message one stands for where it came from; delete.
 Reading takes the auditor's rights (the console's); replaying and deleting the dlq-admin identity's
 (`--context dlq-admin`), since a replay publishes on a sled's or a service's own subjects. A letter's
 headers are its filer's word: each is checked against what its filer's consumer reads, and a replay
-sends the stored original, never the letter (rackctl/dlq.py, docs/operations.md "Dead letters").
+sends the stored original, never the letter (rackctl/dead_letters/, docs/operations.md "Dead letters").
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import TypeVar
 
 from nats.js import JetStreamContext
 
-from rackctl import dlq
+from rackctl import dead_letters
 from rackctl.commands.args import ago, count, json_flag
-from rackctl.commands.base import Ctx, Failure, Unconfirmed, UsageError, command, group
+from rackctl.commands.base import Failure, Invocation, Unconfirmed, UsageError, command, group
 from rackctl.output import print_fields, print_table
-from shared import subjects
+from shared.topology import subjects
 
 T = TypeVar("T")
 
@@ -45,10 +45,10 @@ def _list_args(p: argparse.ArgumentParser) -> None:
     _list_args,
     examples=("rackctl dlq list", "rackctl dlq list --service accounting --since 2h"),
 )
-async def dlq_list(ctx: Ctx) -> None:
+async def dlq_list(ctx: Invocation) -> None:
     a = ctx.args
     since = datetime.now(UTC) - timedelta(seconds=a.since) if a.since else None
-    letters = await dlq.read(await _js(ctx), service=a.service, since=since)
+    letters = await dead_letters.read(await _js(ctx), service=a.service, since=since)
     ctx.emit(
         [d.as_dict() for d in letters],
         lambda _: print_table(
@@ -69,7 +69,7 @@ def _seq_arg(p: argparse.ArgumentParser) -> None:
     json_flag,
     examples=("rackctl dlq show 42",),
 )
-async def dlq_show(ctx: Ctx) -> None:
+async def dlq_show(ctx: Invocation) -> None:
     d = await _get(ctx, ctx.args.seq)
 
     def human(_: object) -> None:
@@ -108,14 +108,14 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
     _replay_args,
     examples=("rackctl dlq replay 42 --yes --context dlq-admin  # once what made it fail is fixed",),
 )
-async def dlq_replay(ctx: Ctx) -> None:
+async def dlq_replay(ctx: Invocation) -> None:
     a = ctx.args
     if not a.yes:
         raise Unconfirmed(
             f"refusing to replay dead letter {a.seq} without --yes: its consumer acts on it again"
         )
-    letter, new_seq = await _run(dlq.replay(await _js(ctx), a.seq))
-    stored = letter.check is not None and letter.check.status == dlq.OK
+    letter, new_seq = await _run(dead_letters.replay(await _js(ctx), a.seq))
+    stored = letter.check is not None and letter.check.status == dead_letters.OK
     data = {
         "seq": letter.seq,
         "subject": letter.replay_to,
@@ -145,7 +145,7 @@ def _purge_args(p: argparse.ArgumentParser) -> None:
         "rackctl dlq purge --older-than 7d --yes --context dlq-admin",
     ),
 )
-async def dlq_purge(ctx: Ctx) -> None:
+async def dlq_purge(ctx: Invocation) -> None:
     a = ctx.args
     if a.seq is None and not a.all and a.older_than is None:
         raise UsageError("name a dead letter (SEQ), or --all, or --older-than")
@@ -154,28 +154,28 @@ async def dlq_purge(ctx: Ctx) -> None:
     js = await _js(ctx)
     if a.seq is not None:  # the letter and its repeats, which `list` shows as one
         letter = await _get(ctx, a.seq)
-        seqs = [a.seq, *await dlq.repeats_of(js, letter)]
+        seqs = [a.seq, *await dead_letters.repeats_of(js, letter)]
         for seq in seqs:
-            await _run(dlq.delete(js, seq))
+            await _run(dead_letters.delete(js, seq))
     else:
         cutoff = datetime.now(UTC) - timedelta(seconds=a.older_than) if a.older_than else None
-        seqs = [d.seq for d in await dlq.read(js, repeats=True) if cutoff is None or d.time < cutoff]
+        seqs = [d.seq for d in await dead_letters.read(js, repeats=True) if cutoff is None or d.time < cutoff]
         for seq in seqs:
-            await _run(dlq.delete(js, seq))
+            await _run(dead_letters.delete(js, seq))
     ctx.emit({"deleted": seqs}, lambda d: print(f"deleted {len(d['deleted'])} dead letter(s)"))
 
 
-async def _js(ctx: Ctx) -> JetStreamContext:
+async def _js(ctx: Invocation) -> JetStreamContext:
     return (await ctx.client()).nc.jetstream()
 
 
-async def _get(ctx: Ctx, seq: int) -> dlq.DeadLetter:
-    letter = await _run(dlq.get(await _js(ctx), seq))
-    repeats = await dlq.repeats_of(await _js(ctx), letter)
+async def _get(ctx: Invocation, seq: int) -> dead_letters.DeadLetter:
+    letter = await _run(dead_letters.get(await _js(ctx), seq))
+    repeats = await dead_letters.repeats_of(await _js(ctx), letter)
     return replace(letter, repeats=tuple(repeats))
 
 
-def _check(d: dlq.DeadLetter) -> str:
+def _check(d: dead_letters.DeadLetter) -> str:
     return d.check.status if d.check else "?"
 
 
@@ -183,5 +183,5 @@ async def _run(call: Awaitable[T]) -> T:
     """A dead letter that is not there is a failure of the command (exit 1), said in one line."""
     try:
         return await call
-    except dlq.NoDeadLetter as e:
+    except dead_letters.NoDeadLetter as e:
         raise Failure(str(e)) from None

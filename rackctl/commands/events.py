@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import re
 import sys
 import uuid
 from collections import deque
@@ -30,9 +29,10 @@ from nats.js import JetStreamContext, api
 
 from rackctl import context as contexts
 from rackctl.commands.args import ago, count, silo_path
-from rackctl.commands.base import Ctx, UsageError, command, group
-from shared import bus, subjects
+from rackctl.commands.base import Invocation, UsageError, command, group
+from shared import bus
 from shared.messages import InstanceList
+from shared.topology import jsapi, subjects
 
 INACTIVE = 30.0
 """Seconds the broker keeps a follower's consumer once nobody pulls from it (so one left by a killed
@@ -79,7 +79,7 @@ async def _consumer(
     if durable is not None:
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await bus.unless_denied(
-                js._nc, f"$JS.API.CONSUMER.INFO.{stream}.{durable}", js.consumer_info(stream, durable)
+                js._nc, jsapi.consumer("INFO", stream, durable), js.consumer_info(stream, durable)
             )
             if at is not None and first:  # asked for a start it will not get
                 print(f"durable {durable} exists: it resumes where it acked, not at --from", file=sys.stderr)
@@ -92,7 +92,7 @@ async def _consumer(
     else:
         config.durable_name, config.ack_policy = durable, api.AckPolicy.EXPLICIT
     _start(config, at)
-    create = f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{filter_subject}"
+    create = jsapi.consumer_create(stream, name, filter_subject)
     await bus.unless_denied(js._nc, create, js.add_consumer(stream, config))
     return await js.pull_subscribe_bind(consumer=name, stream=stream)
 
@@ -146,7 +146,7 @@ class Names:
     instance list, asked at most every LOOKUP_EVERY seconds. A context that may not list (a subscriber's)
     or a list that fails leaves the id as it is: the column is a courtesy, never an error."""
 
-    def __init__(self, ctx: Ctx) -> None:
+    def __init__(self, ctx: Invocation) -> None:
         self.ctx = ctx
         self.known: dict[str, str] = {}
         self.asked: dict[str, float] = {}
@@ -188,10 +188,7 @@ def row(msg: Msg, names: dict[str, str] | None = None) -> tuple[Any, ...]:
     has it."""
     names = names or {}
     when = msg.metadata.timestamp.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
-    tokens = msg.subject.split(".")
-    if re.fullmatch(r"v\d+", tokens[-1]):  # a later version of the schema: the same change, shown once
-        tokens = tokens[:-1]
-    silo, event = tokens[2], ".".join(tokens[3:])
+    silo, event, _ = subjects.parse_event(msg.subject)  # every version of a schema: the same change
     try:
         data = json.loads(msg.data)["data"]
     except (ValueError, KeyError, TypeError):
@@ -272,7 +269,7 @@ def _follow_args(p: argparse.ArgumentParser) -> None:
         "rackctl --context billing events follow --durable --from 1  # a subscriber's, from its first event",
     ),
 )
-async def events_follow(ctx: Ctx) -> None:
+async def events_follow(ctx: Invocation) -> None:
     a = ctx.args
     current = contexts.load(a.context)
     stream = (current.stream if current else None) or subjects.EVENTS_STREAM
@@ -294,7 +291,7 @@ async def events_follow(ctx: Ctx) -> None:
             text = json.dumps(as_json(msg), sort_keys=True)
         else:
             with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError, IndexError):
-                await names.fill(msg.subject.split(".")[2], json.loads(msg.data)["data"])
+                await names.fill(subjects.silo_of(msg.subject), json.loads(msg.data)["data"])
             cells = row(msg, names.known)
             if cells[1:] in recent:  # the same change in another version of its schema (docs/subjects.md)
                 continue

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -27,8 +26,8 @@ from rackctl.commands.args import (
 )
 from rackctl.commands.base import (
     SHAPE_OPTIONS,
-    Ctx,
     Failure,
+    Invocation,
     UsageError,
     command,
     emit_pages,
@@ -81,7 +80,7 @@ def _create_options(p: argparse.ArgumentParser) -> None:
         "rackctl instance create acme/web/checkout --from-pool acme/web/warm  # running at once",
     ),
 )
-async def instance_create(ctx: Ctx) -> None:
+async def instance_create(ctx: Invocation) -> None:
     a, ref = ctx.args, ctx.args.instance
     shape = {"--cpus": a.cpus, "--ram": a.ram, "--disk": a.disk}
     if a.from_pool is not None:
@@ -107,7 +106,7 @@ async def instance_create(ctx: Ctx) -> None:
     ctx.emit(data, lambda v: print(f"created instance {ref}: {shape_text(v)} ({v['state']})"))
 
 
-async def _instance_from_pool(ctx: Ctx, shape_given: list[str]) -> None:
+async def _instance_from_pool(ctx: Invocation, shape_given: list[str]) -> None:
     """`instance create --from-pool`: an idle VM of the pool, renamed, or a new one of its shape."""
     a, ref, pool = ctx.args, ctx.args.instance, ctx.args.from_pool
     if shape_given:
@@ -149,7 +148,7 @@ async def _instance_from_pool(ctx: Ctx, shape_given: list[str]) -> None:
         "rackctl instance show acme/web/frontend --json",
     ),
 )
-async def instance_show(ctx: Ctx) -> None:
+async def instance_show(ctx: Invocation) -> None:
     ctx.emit(await (await ctx.client()).instance("show", *ctx.args.instance), _print_instance)
 
 
@@ -163,7 +162,7 @@ async def instance_show(ctx: Ctx) -> None:
         "rackctl instance list --project acme/web",
     ),
 )
-async def instance_list(ctx: Ctx) -> None:
+async def instance_list(ctx: Invocation) -> None:
     silo, project = scope(ctx.args)
 
     def row(v: dict[str, Any]) -> tuple[Any, ...]:
@@ -181,21 +180,17 @@ async def instance_list(ctx: Ctx) -> None:
     await emit_pages(ctx, InstanceList(silo=silo, project=project), headers, row)
 
 
-TARGETS: dict[str, str | None] = {"start": "running", "stop": "stopped", "delete": None}
-"""The state each action's --wait waits for; None: until the instance is gone (show says not_found)."""
-
-
-async def instance_action(verb: str, ctx: Ctx) -> None:
-    """start, stop or delete; with --wait, only return once the instance got there."""
+async def instance_action(ctx: Invocation, verb: str, target: str | None) -> None:
+    """start, stop or delete; with --wait, only return once the instance got to `target` (None: gone)."""
     ref: Ref = ctx.args.instance
     client = await ctx.client()
     data = await client.instance(verb, *ref)
     final = data
     if ctx.args.wait:
-        final = await _wait_for(ctx, client, ref, data, TARGETS[verb]) or data
+        final = await _wait_for(ctx, client, ref, data, target) or data
 
     def human(v: dict[str, Any]) -> None:
-        state = "deleted" if ctx.args.wait and TARGETS[verb] is None else v["state"]
+        state = "deleted" if ctx.args.wait and target is None else v["state"]
         where = f" on {v['sled_id']}" if state == "running" and v.get("sled_id") else ""
         took = f" ({time.monotonic() - ctx.started:.1f}s)" if ctx.args.wait else ""
         print(f"{ref}: {state}{where}{took}")
@@ -203,19 +198,51 @@ async def instance_action(verb: str, ctx: Ctx) -> None:
     ctx.emit(final, human)
 
 
-for _verb, _target in TARGETS.items():
-    command(
-        f"instance {_verb}",
-        f"{_verb} an instance" + (f" (--wait: until {_target})" if _target else " (--wait: until gone)"),
-        instance_arg,
-        wait_flag,
-        json_flag,
-        examples=(
-            f"rackctl instance {_verb} acme/web/frontend",
-            f"rackctl instance {_verb} acme/web/frontend --wait --timeout 120  # "
-            + (f"until it is {_target}, for up to 2 minutes" if _target else "until it is gone"),
-        ),
-    )(functools.partial(instance_action, _verb))
+@command(
+    "instance start",
+    "start an instance (--wait: until running)",
+    instance_arg,
+    wait_flag,
+    json_flag,
+    examples=(
+        "rackctl instance start acme/web/frontend",
+        "rackctl instance start acme/web/frontend --wait --timeout 120  # until it is running, for up to 2 "
+        "minutes",
+    ),
+)
+async def instance_start(ctx: Invocation) -> None:
+    await instance_action(ctx, "start", "running")
+
+
+@command(
+    "instance stop",
+    "stop an instance (--wait: until stopped)",
+    instance_arg,
+    wait_flag,
+    json_flag,
+    examples=(
+        "rackctl instance stop acme/web/frontend",
+        "rackctl instance stop acme/web/frontend --wait --timeout 120  # until it is stopped, for up to 2 "
+        "minutes",
+    ),
+)
+async def instance_stop(ctx: Invocation) -> None:
+    await instance_action(ctx, "stop", "stopped")
+
+
+@command(
+    "instance delete",
+    "delete an instance (--wait: until gone)",
+    instance_arg,
+    wait_flag,
+    json_flag,
+    examples=(
+        "rackctl instance delete acme/web/frontend",
+        "rackctl instance delete acme/web/frontend --wait --timeout 120  # until it is gone",
+    ),
+)
+async def instance_delete(ctx: Invocation) -> None:
+    await instance_action(ctx, "delete", None)
 
 
 def _migrate_options(p: argparse.ArgumentParser) -> None:
@@ -236,7 +263,7 @@ def _migrate_options(p: argparse.ArgumentParser) -> None:
         "rackctl instance migrate acme/web/frontend --to sled-3",
     ),
 )
-async def instance_migrate(ctx: Ctx) -> None:
+async def instance_migrate(ctx: Invocation) -> None:
     ref: Ref = ctx.args.instance
     client = await ctx.client()
     moving = await client.instance_migrate(*ref, to_sled=ctx.args.to)
@@ -258,7 +285,7 @@ async def instance_migrate(ctx: Ctx) -> None:
 
 
 async def _wait_for(
-    ctx: Ctx, client: Client, ref: Ref, view: dict[str, Any], target: str | None
+    ctx: Invocation, client: Client, ref: Ref, view: dict[str, Any], target: str | None
 ) -> dict[str, Any] | None:
     """Poll the instance until it reaches `target` (or is gone, for None), fails, or the deadline passes.
 

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from rackctl.commands.args import count, json_flag, pool_arg, scope, scope_args, size
-from rackctl.commands.base import SHAPE_OPTIONS, Ctx, command, group, shape_text, validated, view_path
+from rackctl.commands.base import SHAPE_OPTIONS, Invocation, command, group, shape_text, validated, view_path
 from rackctl.output import print_fields, print_table
 from rackctl.sizes import format_size
 from shared.messages import PoolCreate, PoolResize
@@ -31,7 +31,7 @@ def _pool_create_options(p: argparse.ArgumentParser) -> None:
     json_flag,
     examples=("rackctl pool create acme/web/warm --size 2 --cpus 2 --ram 4GiB --disk 20GiB",),
 )
-async def pool_create(ctx: Ctx) -> None:
+async def pool_create(ctx: Invocation) -> None:
     a, ref = ctx.args, ctx.args.pool
     body = validated(
         PoolCreate,
@@ -55,7 +55,7 @@ async def pool_create(ctx: Ctx) -> None:
     json_flag,
     examples=("rackctl pool show acme/web/warm",),
 )
-async def pool_show(ctx: Ctx) -> None:
+async def pool_show(ctx: Invocation) -> None:
     ctx.emit(await (await ctx.client()).pool("show", *ctx.args.pool), _print_pool)
 
 
@@ -66,7 +66,7 @@ async def pool_show(ctx: Ctx) -> None:
     json_flag,
     examples=("rackctl pool list --silo acme",),
 )
-async def pool_list(ctx: Ctx) -> None:
+async def pool_list(ctx: Invocation) -> None:
     silo, project = scope(ctx.args)
 
     def human(pools: list[dict[str, Any]]) -> None:
@@ -101,7 +101,7 @@ def _pool_resize_options(p: argparse.ArgumentParser) -> None:
     json_flag,
     examples=("rackctl pool resize acme/web/warm --size 5",),
 )
-async def pool_resize(ctx: Ctx) -> None:
+async def pool_resize(ctx: Invocation) -> None:
     ref = ctx.args.pool
     body = validated(
         PoolResize, {"size": "--size"}, silo=ref.silo, project=ref.project, name=ref.name, size=ctx.args.size
@@ -117,7 +117,7 @@ async def pool_resize(ctx: Ctx) -> None:
     json_flag,
     examples=("rackctl pool delete acme/web/warm",),
 )
-async def pool_delete(ctx: Ctx) -> None:
+async def pool_delete(ctx: Invocation) -> None:
     ref = ctx.args.pool
     data = await (await ctx.client()).pool("delete", *ref)
 

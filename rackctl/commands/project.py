@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rackctl.commands.args import json_flag, project_path, silo_path
-from rackctl.commands.base import Ctx, command, group
+from rackctl.commands.base import Invocation, command, group
 from rackctl.output import print_table
 
 group("project", "projects inside a silo")
@@ -18,7 +18,7 @@ group("project", "projects inside a silo")
     json_flag,
     examples=("rackctl project create acme/web",),
 )
-async def project_create(ctx: Ctx) -> None:
+async def project_create(ctx: Invocation) -> None:
     silo, name = ctx.args.project
     data = await (await ctx.client()).project_create(silo, name)
     ctx.emit(data, lambda d: print(f"created project {d['silo']}/{d['name']}"))
@@ -31,7 +31,7 @@ async def project_create(ctx: Ctx) -> None:
     json_flag,
     examples=("rackctl project list acme",),
 )
-async def project_list(ctx: Ctx) -> None:
+async def project_list(ctx: Invocation) -> None:
     def human(projects: list[dict[str, Any]]) -> None:
         print_table(("PROJECT", "ID"), [(f"{p['silo']}/{p['name']}", p["id"]) for p in projects])
 
@@ -48,7 +48,7 @@ async def project_list(ctx: Ctx) -> None:
         "rackctl project delete acme/web --json",
     ),
 )
-async def project_delete(ctx: Ctx) -> None:
+async def project_delete(ctx: Invocation) -> None:
     silo, name = ctx.args.project
     data = await (await ctx.client()).project_delete(silo, name)
     ctx.emit(data, lambda d: print(f"deleted project {d['silo']}/{d['name']}"))

@@ -8,7 +8,7 @@ from typing import Any
 
 from rackctl import context as contexts
 from rackctl.commands.args import count, json_flag, silo_path, size
-from rackctl.commands.base import Ctx, UsageError, command, group, validated
+from rackctl.commands.base import Invocation, UsageError, command, group, validated
 from rackctl.output import print_fields, print_table
 from rackctl.sizes import format_size
 from shared.messages import Quota, SiloLimitsSet
@@ -46,7 +46,7 @@ def _quota_text(q: dict[str, int | None] | None) -> str:
         "rackctl silo create acme --cpus 16 --ram 64GiB --storage 1TiB  # with quotas",
     ),
 )
-async def silo_create(ctx: Ctx) -> None:
+async def silo_create(ctx: Invocation) -> None:
     a = ctx.args
     quota = validated(
         Quota,
@@ -68,7 +68,7 @@ async def silo_create(ctx: Ctx) -> None:
         "rackctl silo list --json",
     ),
 )
-async def silo_list(ctx: Ctx) -> None:
+async def silo_list(ctx: Invocation) -> None:
     def human(silos: list[dict[str, Any]]) -> None:
         rows = []
         for s in silos:
@@ -90,7 +90,7 @@ async def silo_list(ctx: Ctx) -> None:
         "rackctl silo delete acme --json",
     ),
 )
-async def silo_delete(ctx: Ctx) -> None:
+async def silo_delete(ctx: Invocation) -> None:
     data = await (await ctx.client()).silo_delete(ctx.args.name)
     left = _identities_of(ctx.args.name)
     ctx.emit(
@@ -137,7 +137,7 @@ def _size_or_none(n: int | None) -> str | None:
         "rackctl silo show acme --json",
     ),
 )
-async def silo_show(ctx: Ctx) -> None:
+async def silo_show(ctx: Invocation) -> None:
     ctx.emit(await (await ctx.client()).silo_show(ctx.args.name), _show)
 
 
@@ -185,7 +185,7 @@ def _limit_options(p: argparse.ArgumentParser) -> None:
         "rackctl silo limits acme --pool-members 50 --command-rate 100",
     ),
 )
-async def silo_limits(ctx: Ctx) -> None:
+async def silo_limits(ctx: Invocation) -> None:
     a = ctx.args
     body = validated(
         SiloLimitsSet,

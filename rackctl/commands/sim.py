@@ -6,17 +6,16 @@ It talks to the simulator's own console (`rp.sim.>`), not to the control plane, 
 from __future__ import annotations
 
 import argparse
-import functools
 from collections.abc import Callable
 from typing import Any
 
 from rackctl.commands.args import count, json_flag, probability, seconds, size, sled_arg
-from rackctl.commands.base import Ctx, UsageError, command, group, validated
+from rackctl.commands.base import Invocation, UsageError, command, group, validated
 from rackctl.output import print_table
 from rackctl.sizes import format_size
-from shared import subjects
 from shared.messages import SimFaults, SimSledAdd, VmmState
 from shared.messages.simulator import SimSledCapacity
+from shared.topology import subjects
 
 group("sim", "drive the sled simulator: reboot, freeze, partition, faults (testing only)")
 group(
@@ -32,7 +31,7 @@ group("sim rack", "the whole simulated rack at once (testing only)")
     json_flag,
     examples=("rackctl sim rack reboot",),
 )
-async def sim_rack_reboot(ctx: Ctx) -> None:
+async def sim_rack_reboot(ctx: Invocation) -> None:
     data = await (await ctx.client()).sim_rack_reboot()
     ctx.emit(data, lambda d: print(f"rebooted {d['rebooted']} sleds: each comes back on its next boot"))
 
@@ -43,7 +42,7 @@ async def sim_rack_reboot(ctx: Ctx) -> None:
     json_flag,
     examples=("rackctl sim sled list",),
 )
-async def sim_sled_list(ctx: Ctx) -> None:
+async def sim_sled_list(ctx: Invocation) -> None:
     def human(sleds: list[dict[str, Any]]) -> None:
         rows = [
             (
@@ -78,7 +77,7 @@ def _sim_add_options(p: argparse.ArgumentParser) -> None:
         "rackctl sim sled add --cpus 32 --ram 128GiB",
     ),
 )
-async def sim_sled_add(ctx: Ctx) -> None:
+async def sim_sled_add(ctx: Invocation) -> None:
     given = {"vcpus": ctx.args.cpus, "ram_bytes": ctx.args.ram}
     body = validated(
         SimSledAdd,
@@ -112,7 +111,7 @@ def _sim_capacity_options(p: argparse.ArgumentParser) -> None:
         "rackctl sim sled capacity sled-0  # back to what it was made with",
     ),
 )
-async def sim_sled_capacity(ctx: Ctx) -> None:
+async def sim_sled_capacity(ctx: Invocation) -> None:
     body = validated(
         SimSledCapacity,
         {"vcpus": "--cpus", "ram_bytes": "--ram"},
@@ -130,38 +129,82 @@ async def sim_sled_capacity(ctx: Ctx) -> None:
     ctx.emit(data, human)
 
 
-SIM_VERBS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
-    "reboot": (
-        "reboot a simulated sled: its VMMs are lost and it comes back on its next boot",
-        lambda d: f"rebooted {d['sled_id']}: boot {d['boot_number']} (boot id {d['boot_id']})",
-    ),
-    "freeze": (
-        "freeze a simulated sled: no inventory, reports or commands until thawed",
-        lambda d: f"froze {d['sled_id']}: it answers nothing until thawed",
-    ),
-    "thaw": ("thaw a frozen simulated sled", lambda d: f"thawed {d['sled_id']}"),
-    "partition": (
-        "cut a simulated sled off the network until healed: nothing goes in or out, its VMMs go on running",
-        lambda d: f"partitioned {d['sled_id']}: cut off until healed (its VMMs go on running)",
-    ),
-    "heal": ("end a simulated sled's partition", lambda d: f"healed {d['sled_id']}"),
-    "remove": (
-        "remove a sled from the simulator (the control plane still lists it: expunge it there)",
-        lambda d: f"removed {d['sled_id']} from the simulator",
-    ),
-}
-"""Simulator verbs that act on one sled: their help and what they print."""
-
-
-async def sim_sled_action(verb: str, ctx: Ctx) -> None:
+async def sim_sled_action(ctx: Invocation, verb: str, said: Callable[[dict[str, Any]], str]) -> None:
+    """Send one sled's simulator verb, and print what `said` makes of the reply."""
     data = await (await ctx.client()).sim_sled(verb, ctx.args.sled)
-    ctx.emit(data, lambda d: print(SIM_VERBS[verb][1](d)))
+    ctx.emit(data, lambda d: print(said(d)))
 
 
-for _verb, (_help, _) in SIM_VERBS.items():
-    command(f"sim sled {_verb}", _help, sled_arg, json_flag, examples=(f"rackctl sim sled {_verb} sled-0",))(
-        functools.partial(sim_sled_action, _verb)
+@command(
+    "sim sled reboot",
+    "reboot a simulated sled: its VMMs are lost and it comes back on its next boot",
+    sled_arg,
+    json_flag,
+    examples=("rackctl sim sled reboot sled-0",),
+)
+async def sim_sled_reboot(ctx: Invocation) -> None:
+    await sim_sled_action(
+        ctx, "reboot", lambda d: f"rebooted {d['sled_id']}: boot {d['boot_number']} (boot id {d['boot_id']})"
     )
+
+
+@command(
+    "sim sled freeze",
+    "freeze a simulated sled: no inventory, reports or commands until thawed",
+    sled_arg,
+    json_flag,
+    examples=("rackctl sim sled freeze sled-0",),
+)
+async def sim_sled_freeze(ctx: Invocation) -> None:
+    await sim_sled_action(ctx, "freeze", lambda d: f"froze {d['sled_id']}: it answers nothing until thawed")
+
+
+@command(
+    "sim sled thaw",
+    "thaw a frozen simulated sled",
+    sled_arg,
+    json_flag,
+    examples=("rackctl sim sled thaw sled-0",),
+)
+async def sim_sled_thaw(ctx: Invocation) -> None:
+    await sim_sled_action(ctx, "thaw", lambda d: f"thawed {d['sled_id']}")
+
+
+@command(
+    "sim sled partition",
+    "cut a simulated sled off the network until healed: nothing goes in or out, its VMMs go on running",
+    sled_arg,
+    json_flag,
+    examples=("rackctl sim sled partition sled-0",),
+)
+async def sim_sled_partition(ctx: Invocation) -> None:
+    await sim_sled_action(
+        ctx,
+        "partition",
+        lambda d: f"partitioned {d['sled_id']}: cut off until healed (its VMMs go on running)",
+    )
+
+
+@command(
+    "sim sled heal",
+    "end a simulated sled's partition",
+    sled_arg,
+    json_flag,
+    examples=("rackctl sim sled heal sled-0",),
+)
+async def sim_sled_heal(ctx: Invocation) -> None:
+    await sim_sled_action(ctx, "heal", lambda d: f"healed {d['sled_id']}")
+
+
+@command(
+    "sim sled remove",
+    "remove a sled from the simulator (the control plane still lists it: expunge it there)",
+    sled_arg,
+    json_flag,
+    examples=("rackctl sim sled remove sled-0",),
+)
+async def sim_sled_remove(ctx: Invocation) -> None:
+    await sim_sled_action(ctx, "remove", lambda d: f"removed {d['sled_id']} from the simulator")
 
 
 def _faults_options(p: argparse.ArgumentParser) -> None:
@@ -203,7 +246,7 @@ _FAULT_OPTIONS = {
         "rackctl sim faults sled-0  # clear them",
     ),
 )
-async def sim_faults(ctx: Ctx) -> None:
+async def sim_faults(ctx: Invocation) -> None:
     a = ctx.args
     if (a.delay_state is not None or a.delay_seconds is not None) and not a.delay_count:
         raise UsageError("--delay-state and --delay-seconds need --delay-count (how many reports to delay)")

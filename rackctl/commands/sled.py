@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rackctl.commands.args import json_flag, sled_arg
-from rackctl.commands.base import Ctx, Unconfirmed, command, group
+from rackctl.commands.base import Invocation, Unconfirmed, command, group
 from rackctl.output import print_table
 from rackctl.sizes import format_size
 
@@ -23,7 +23,7 @@ group("sled", "the sleds of the rack")
         "rackctl sled list --json",
     ),
 )
-async def sled_list(ctx: Ctx) -> None:
+async def sled_list(ctx: Invocation) -> None:
     def human(sleds: list[dict[str, Any]]) -> None:
         rows = [
             (
@@ -54,7 +54,7 @@ def _expunge_options(p: argparse.ArgumentParser) -> None:
     json_flag,
     examples=("rackctl sled expunge sled-4 --yes",),
 )
-async def sled_expunge(ctx: Ctx) -> None:
+async def sled_expunge(ctx: Invocation) -> None:
     sled = ctx.args.sled
     if not ctx.args.yes:
         raise Unconfirmed(

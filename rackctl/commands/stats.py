@@ -6,9 +6,9 @@ import argparse
 from typing import Any
 
 from rackctl.commands.args import json_flag
-from rackctl.commands.base import Ctx, command
+from rackctl.commands.base import Invocation, command
 from rackctl.output import print_table
-from shared import subjects
+from shared.topology import subjects
 
 
 def _stats_options(p: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def _stats_options(p: argparse.ArgumentParser) -> None:
         "rackctl stats instance-manager --json",
     ),
 )
-async def stats(ctx: Ctx) -> None:
+async def stats(ctx: Invocation) -> None:
     def human(d: dict[str, Any]) -> None:
         port = d.get("http_port")
         print(f"{d['service']}" + (f" (metrics on port {port})" if port else ""))

@@ -16,9 +16,9 @@ from typing import Any
 from deploy import identities, subscribers
 from rackctl import context as contexts
 from rackctl.commands.args import json_flag, silo_path
-from rackctl.commands.base import Ctx, Failure, Unconfirmed, UsageError, command, group
+from rackctl.commands.base import Failure, Invocation, Unconfirmed, UsageError, command, group
 from rackctl.output import print_table
-from shared import subjects
+from shared.topology import subjects
 
 group("subscriber", "services that follow the events: an identity and a stream each")
 
@@ -43,7 +43,7 @@ def _name(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", type=silo_path, metavar="NAME", help="the subscriber's name")
 
 
-def _rack(ctx: Ctx) -> subscribers.Rack:
+def _rack(ctx: Invocation) -> subscribers.Rack:
     a = ctx.args
     folder = a.identities or contexts.identities_dir()
     if not (folder / "identities.json").exists():
@@ -87,7 +87,7 @@ def _context_identity(name: str) -> str | None:
 def _write_context(rack: subscribers.Rack, identity: identities.Identity) -> Path:
     return contexts.write(
         identity.name,
-        contexts.Context(
+        contexts.ConnectionContext(
             url=rack.url,
             nkey=str(rack.store.seed_file(identity.name)),
             ca=rack.ca,
@@ -122,7 +122,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         "rackctl subscriber add acme-dashboard --silo acme  # acme's events only",
     ),
 )
-async def subscriber_add(ctx: Ctx) -> None:
+async def subscriber_add(ctx: Invocation) -> None:
     if (other := _context_identity(ctx.args.name)) not in (None, ctx.args.name):
         raise Failure(
             f"a context named {ctx.args.name!r} already exists, for {other}: pick another subscriber name"
@@ -153,7 +153,7 @@ async def subscriber_add(ctx: Ctx) -> None:
     json_flag,
     examples=("rackctl subscriber list",),
 )
-async def subscriber_list(ctx: Ctx) -> None:
+async def subscriber_list(ctx: Invocation) -> None:
     rows = await subscribers.describe(_rack(ctx))
     ctx.emit(
         rows,
@@ -176,7 +176,7 @@ def _name_and_rack(p: argparse.ArgumentParser) -> None:
     json_flag,
     examples=("rackctl subscriber rotate billing",),
 )
-async def subscriber_rotate(ctx: Ctx) -> None:
+async def subscriber_rotate(ctx: Invocation) -> None:
     rack = _rack(ctx)
     try:
         path = subscribers.rotate(rack, ctx.args.name)
@@ -200,7 +200,7 @@ def _remove_options(p: argparse.ArgumentParser) -> None:
     json_flag,
     examples=("rackctl subscriber remove billing --yes",),
 )
-async def subscriber_remove(ctx: Ctx) -> None:
+async def subscriber_remove(ctx: Invocation) -> None:
     if not ctx.args.yes:
         raise Unconfirmed(
             f"removing {ctx.args.name} deletes its stream and its consumers: add --yes to go ahead"

@@ -1,6 +1,6 @@
 """`rackctl usage`: what the fleet, a silo or a project uses, against its quota; `usage history` and
 `usage plot`: how that changed over time; `usage audit`: whether those totals and each instance's charge
-are what they should be (rackctl/audit.py)."""
+are what they should be (rackctl/invariants/audit.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rackctl import audit
 from rackctl.commands.args import (
     count,
     duration,
@@ -22,8 +21,9 @@ from rackctl.commands.args import (
     scope_path,
     silo_path,
 )
-from rackctl.commands.base import Ctx, Failure, UnknownName, command, validated
+from rackctl.commands.base import Failure, Invocation, UnknownName, command, validated
 from rackctl.commands.database import connect, database_url_option
+from rackctl.invariants import audit
 from rackctl.output import print_table
 from rackctl.settle import settled
 from rackctl.sizes import format_size
@@ -43,7 +43,7 @@ GiB = 2**30
         "rackctl usage --project acme/web --json",
     ),
 )
-async def usage(ctx: Ctx) -> None:
+async def usage(ctx: Invocation) -> None:
     silo, project = scope(ctx.args)
 
     def human(u: dict[str, Any]) -> None:
@@ -110,7 +110,7 @@ def _audit_options(p: argparse.ArgumentParser) -> None:
         "rackctl usage audit acme/web --settle 0  # one look, no waiting",
     ),
 )
-async def usage_audit(ctx: Ctx) -> None:
+async def usage_audit(ctx: Invocation) -> None:
     silo, project = ctx.args.scope or (None, None)
     conn = await connect(ctx.args)
     try:
@@ -190,7 +190,7 @@ def _buckets(default: int) -> Callable[[argparse.ArgumentParser], None]:
     return add
 
 
-async def _history(ctx: Ctx) -> dict[str, Any]:
+async def _history(ctx: Invocation) -> dict[str, Any]:
     silo, project = ctx.args.scope
     body = validated(
         UsageHistoryGet,
@@ -215,7 +215,7 @@ async def _history(ctx: Ctx) -> dict[str, Any]:
         "rackctl usage history fleet --since 30m --buckets 6",
     ),
 )
-async def usage_history(ctx: Ctx) -> None:
+async def usage_history(ctx: Invocation) -> None:
     def human(h: dict[str, Any]) -> None:
         quota = h.get("quota") or {}
         print(f"{h['scope']} {h['name']}" if h["scope"] != "fleet" else "fleet")
@@ -240,7 +240,7 @@ async def usage_history(ctx: Ctx) -> None:
     lambda p: p.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="where to write it"),
     examples=("rackctl usage plot acme --since 24h --out usage.png",),
 )
-async def usage_plot(ctx: Ctx) -> None:
+async def usage_plot(ctx: Invocation) -> None:
     from rackctl.plot import save, usage_figure
 
     fig = usage_figure(await _history(ctx))

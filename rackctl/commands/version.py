@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rackctl.commands.args import json_flag
-from rackctl.commands.base import Ctx, command
+from rackctl.commands.base import Invocation, command
 from shared.messages import registry
 
 PACKAGE = "rackplane"
@@ -57,5 +57,5 @@ def _commit() -> str | None:
     json_flag,
     examples=("rackctl version", "rackctl version --json  # with every schema and its version"),
 )
-async def version(ctx: Ctx) -> None:
+async def version(ctx: Invocation) -> None:
     ctx.emit(version_info(), lambda info: print(version_text(info)))

@@ -14,9 +14,10 @@ from uuid import UUID
 
 import asyncpg
 
-from shared import bus, subjects
+from shared import bus
 from shared.db import queries
 from shared.messages import UsageHistoryGet
+from shared.topology import subjects
 
 Q = queries(Path(__file__).parent / "queries.sql")
 RESOURCES = ("vcpus", "ram_bytes", "disk_bytes")

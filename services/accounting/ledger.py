@@ -36,12 +36,15 @@ from typing import Any
 import asyncpg
 
 from services.accounting.history import append_history
-from shared import subjects, telemetry
-from shared.config import duplicate_window
+from shared import telemetry
+from shared.config import Settings
 from shared.db import enqueue_many, queries
 from shared.messages import MAX_TOTAL, Model, Outcome, ProvisionDelta, ProvisionOutcome, Usage, UsageChanged
+from shared.topology import subjects
 
 SOURCE = "accounting"
+DUPLICATE_WINDOW: float = Settings.model_fields["duplicate_window"].default
+"""RACKPLANE_DUPLICATE_WINDOW's default, for callers that do not pass the process's (the tests)."""
 Q = queries(Path(__file__).parent / "queries.sql")
 GiB = 2**30
 AMOUNTS = ("vcpus", "ram_bytes", "disk_bytes")
@@ -73,7 +76,10 @@ class Charge:
 
 
 @dataclass(frozen=True)
-class Applied:
+class Decided:
+    """A charge the ledger decided: applied, refused (over a quota) or stale (an older generation), or a
+    repeat of one decided before, whose outcome is given again."""
+
     outcome: Outcome
     reason: str
     repeat: bool = False
@@ -82,13 +88,16 @@ class Applied:
     the broker still knows its message id and would drop a copy, so none is queued."""
 
 
-Result = Applied | UnknownSilo | UnknownProject | Forged
+Result = Decided | UnknownSilo | UnknownProject | Forged
 
 
-async def apply_batch(conn: asyncpg.Connection, charges: list[Charge]) -> list[Result]:
+async def apply_batch(
+    conn: asyncpg.Connection, charges: list[Charge], window: float = DUPLICATE_WINDOW
+) -> list[Result]:
     """Apply `charges` (in stream order) inside the caller's transaction; queue every outcome, and the new
-    usage of each project that moved, as events. One result per charge, in order: an `Applied`, or the
-    reason it was not applied (nothing of it moved)."""
+    usage of each project that moved, as events. One result per charge, in order: a `Decided`, or the
+    reason it was not applied (nothing of it moved). `window` is the broker's duplicate window
+    (RACKPLANE_DUPLICATE_WINDOW: accounting's main passes its setting; the default is the setting's)."""
     results: list[Result | None] = [None] * len(charges)
     silos = {r["id"]: r for r in await conn.fetch(Q["silos_of"], list({c.delta.silo_id for c in charges}))}
     projects = {
@@ -101,7 +110,7 @@ async def apply_batch(conn: asyncpg.Connection, charges: list[Charge]) -> list[R
         else:
             valid.append(i)
 
-    held = await lock_charges(conn, [charges[i].delta for i in valid])
+    held = await lock_charges(conn, [charges[i].delta for i in valid], window)
     ledger = Ledger(
         held,
         {
@@ -124,7 +133,7 @@ async def apply_batch(conn: asyncpg.Connection, charges: list[Charge]) -> list[R
         + [("project", p["id"], p["silo_id"], *(p[a] for a in AMOUNTS)) for p in moved],
     )
     await enqueue_many(conn, events(charges, results, moved, ledger), source=SOURCE)
-    tally = Counter("duplicate" if r.repeat else r.outcome.value for r in results if isinstance(r, Applied))
+    tally = Counter("duplicate" if r.repeat else r.outcome.value for r in results if isinstance(r, Decided))
     for name, n in tally.items():
         telemetry.count(f"deltas.{name}", n)
     assert all(r is not None for r in results)
@@ -154,12 +163,13 @@ def owner_error(
 
 
 async def lock_charges(
-    conn: asyncpg.Connection, deltas: list[ProvisionDelta]
+    conn: asyncpg.Connection, deltas: list[ProvisionDelta], window: float
 ) -> dict[uuid.UUID, dict[str, Any]]:
     """Each instance's charge row, created at zero for an instance seen for the first time (owned by the
     project of its first delta), and locked, in key order. The rows are inserted in key order too: an
     inserted row is held until commit, so two batches inserting new instances' rows in stream order (x
-    then y, and y then x) would deadlock."""
+    then y, and y then x) would deadlock. A repeat told less than half the duplicate `window` ago is not
+    told again."""
     first: dict[uuid.UUID, ProvisionDelta] = {}
     for d in deltas:
         first.setdefault(d.instance_id, d)
@@ -167,7 +177,7 @@ async def lock_charges(
     await conn.execute(
         Q["charges_ensure"], ids, [first[i].project_id for i in ids], [first[i].silo_id for i in ids]
     )
-    rows = await conn.fetch(Q["charges_lock"], ids, duplicate_window() / 2)
+    rows = await conn.fetch(Q["charges_lock"], ids, window / 2)
     return {r["instance_id"]: dict(r) for r in rows}
 
 
@@ -190,16 +200,16 @@ class Ledger:
                 f"{held['silo_id']}, not to project {d.project_id} of silo {d.silo_id}"
             )
         if d.generation == held["generation"]:
-            return Applied(Outcome(held["outcome"]), held["reason"], repeat=True, told=held["told"])
+            return Decided(Outcome(held["outcome"]), held["reason"], repeat=True, told=held["told"])
         if d.generation < held["generation"]:
-            return Applied(Outcome.stale, f"generation {d.generation} is older than {held['generation']}")
+            return Decided(Outcome.stale, f"generation {d.generation} is older than {held['generation']}")
         diff = [getattr(d, a) - held[a] for a in AMOUNTS]
         silo = self.silos[d.silo_id]
         self._charged.add(d.instance_id)
         held["told"] = True  # its outcome goes out with this batch
-        if reason := refusal(silo, diff):
+        if reason := quota_refusal(silo, diff):
             held.update(generation=d.generation, outcome=Outcome.refused.value, reason=reason)
-            return Applied(Outcome.refused, reason)
+            return Decided(Outcome.refused, reason)
         held.update(generation=d.generation, outcome=Outcome.applied.value, reason="")
         held.update({a: getattr(d, a) for a in AMOUNTS})
         if any(diff):
@@ -209,7 +219,7 @@ class Ledger:
             moves = self.projects.setdefault((d.project_id, d.silo_id), [0, 0, 0])
             for k, x in enumerate(diff):
                 moves[k] += x
-        return Applied(Outcome.applied, "")
+        return Decided(Outcome.applied, "")
 
     def changed_charges(self) -> list[dict[str, Any]]:
         return [{"instance_id": i, **self.charges[i]} for i in in_key_order(self._charged)]
@@ -231,7 +241,7 @@ def in_key_order(ids: Iterable[uuid.UUID]) -> list[uuid.UUID]:
     return sorted(ids, key=attrgetter("int"))
 
 
-def refusal(silo: dict[str, Any], diff: list[int]) -> str:
+def quota_refusal(silo: dict[str, Any], diff: list[int]) -> str:
     """Why the silo cannot take the change `diff` (vCPUs, RAM, disk), or "" if it can: only increases are
     checked, reaching a quota exactly is allowed, and no silo total may pass MAX_TOTAL (so that no sum of
     them overflows, and neither does a project's, which is at most its silo's)."""
@@ -278,7 +288,7 @@ def events(
             )
         )
     for c, r in zip(charges, results, strict=True):
-        if isinstance(r, Applied) and not r.told:
+        if isinstance(r, Decided) and not r.told:
             d = c.delta
             out.append(
                 (

@@ -8,18 +8,19 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
+from services.accounting import MIGRATIONS
 from services.accounting.history import history
 from services.accounting.ledger import (
     SOURCE,
-    Applied,
     Charge,
+    Decided,
     Forged,
     Q,
     UnknownProject,
     UnknownSilo,
     apply_batch,
 )
-from shared import bus, db, subjects, telemetry
+from shared import bus, db, telemetry, topology
 from shared.config import Settings
 from shared.messages import Envelope, ProjectCreated, ProvisionDelta, SiloCreated, UsageGet, UsageHistoryGet
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
@@ -31,7 +32,7 @@ UNKNOWN_PROJECT_DELIVERIES = 240
 then is dead-lettered: the project's creation event always comes first from instance-manager's outbox."""
 
 
-def refusal(c: Charge, r: Exception, msg: Msg) -> bus.Retry | bus.Reject:
+def retry_or_reject(c: Charge, r: Exception, msg: Msg) -> bus.Retry | bus.Reject:
     """What becomes of a delta the ledger did not apply: wait for its silo's or project's creation, or
     dead-letter it with the reason."""
     if isinstance(r, UnknownSilo):
@@ -46,8 +47,12 @@ def refusal(c: Charge, r: Exception, msg: Msg) -> bus.Retry | bus.Reject:
 
 
 def instance_named(subject: str, d: ProvisionDelta) -> str | None:
-    """The subject's instance token is the delta's instance (it decides the partition)."""
-    token = subject.split(".")[-1]
+    """The subject's instance token is the delta's instance (it decides the partition); a subject that is
+    not a delta's at all is refused with the reason, never a crash of the consumer."""
+    try:
+        token = topology.parse_delta(subject)[2]
+    except ValueError as e:
+        return f"forged: {e}"
     return (
         None
         if token == str(d.instance_id)
@@ -70,7 +75,7 @@ async def usage(pool: asyncpg.Pool, body: UsageGet) -> dict[str, Any]:
             silos = await conn.fetch(Q["silo_list"])
             return {
                 "scope": "fleet",
-                "name": subjects.FLEET,
+                "name": topology.FLEET,
                 "usage": _usage(await conn.fetchrow(Q["fleet_get"])),
                 "quota": None,
                 "children": [{"name": s["name"], "usage": _usage(s), "quota": _quota(s)} for s in silos],
@@ -100,20 +105,20 @@ async def usage(pool: asyncpg.Pool, body: UsageGet) -> dict[str, Any]:
 
 
 async def main(settings: Settings) -> None:
-    pool = await open_database(settings, SCHEMA)
+    pool = await open_database(settings, SCHEMA, MIGRATIONS)
     nc, js = await connect_bus(settings, SOURCE)
     relay = db.OutboxRelay(pool, nc, js)
 
     async def on_deltas(batch: list[bus.Delivery]) -> None:
         charges = []
         for d in batch:
-            _, _, _, _, silo, project, _ = d.msg.subject.split(".")
+            silo, project, _ = topology.parse_delta(d.msg.subject)
             charges.append(Charge(silo, project, d.body))
         async with pool.acquire() as conn, conn.transaction():
-            results = await apply_batch(conn, charges)
+            results = await apply_batch(conn, charges, settings.duplicate_window)
         for d, c, r in zip(batch, charges, results, strict=True):
-            if not isinstance(r, Applied):
-                d.refused = refusal(c, r, d.msg)
+            if not isinstance(r, Decided):
+                d.refused = retry_or_reject(c, r, d.msg)
         relay.kick()
 
     async def on_silo(env: Envelope, e: SiloCreated, msg: Msg) -> None:
@@ -134,43 +139,36 @@ async def main(settings: Settings) -> None:
         return await history(pool, body)
 
     await bus.serve(
-        nc, subjects.command_pattern("usage"), {UsageGet: on_usage, UsageHistoryGet: on_history}, queue=SOURCE
+        nc, topology.command_pattern("usage"), {UsageGet: on_usage, UsageHistoryGet: on_history}, queue=SOURCE
     )
     await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE)
-    common: dict[str, Any] = {"service": SOURCE}
+    common: dict[str, Any] = {"service": SOURCE, "ack_wait": settings.ack_wait}
     log.info("accounting ready")
     await run_forever(
         relay.run(),
         *(
-            bus.BatchConsumer(
+            bus.Consumer(
                 js,
                 **common,
-                stream=subjects.PROVISION_STREAM,
-                durable=subjects.delta_durable(p),
-                filter_subject=subjects.delta_partition(p),
+                **d.binding,
                 batch_handler=on_deltas,
                 expect=ProvisionDelta,
                 verify=instance_named,
-                dead_letters=subjects.DELTA_DEAD_LETTERS,
             ).run()
-            for p in range(subjects.DELTA_PARTITIONS)
+            for d in topology.ACCOUNTING_DELTAS
         ),
         bus.Consumer(
             js,
             **common,
-            stream=subjects.EVENTS_STREAM,
-            durable="accounting-silos",
-            filter_subject=subjects.event("*", "silo", "created"),
+            **topology.ACCOUNTING_SILOS.binding,
             handler=on_silo,
             expect=SiloCreated,
         ).run(),
         bus.Consumer(
             js,
             **common,
-            stream=subjects.EVENTS_STREAM,
-            durable="accounting-projects",
-            filter_subject=subjects.event("*", "project", "created"),
+            **topology.ACCOUNTING_PROJECTS.binding,
             handler=on_project,
             expect=ProjectCreated,
         ).run(),

@@ -11,10 +11,14 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from services.instance_manager.app import SOURCE, App, Q
-from shared import bus, subjects, telemetry
+from services.instance_manager import charging
+from services.instance_manager.app import App
+from services.instance_manager.base import SOURCE, Q
+from services.instance_manager.views import instance_changed, instances_changed, view
+from shared import bus, telemetry
 from shared.db import enqueue, enqueue_many
 from shared.messages import InstanceView, VmmDestroy, VmmReport, VmmState, VmmStop
+from shared.topology import subjects
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +27,7 @@ async def stop(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> In
     inst = await conn.fetchrow(Q["instance_lock"], instance_id)
     state = inst["state"]
     if state in ("stopped", "stopping"):
-        return await app.view(conn, instance_id)
+        return await view(conn, instance_id, app.settings)
     if state == "running":
         sled_id = await conn.fetchval(Q["vmm_sled"], inst["active_vmm_id"])
         await conn.execute(Q["instance_set_state"], instance_id, "stopping", None)
@@ -35,18 +39,18 @@ async def stop(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> In
             source=SOURCE,
             key=f"stop:{inst['active_vmm_id']}",
         )
-        return await app.instance_changed(conn, instance_id)
+        return await instance_changed(app, conn, instance_id)
     if state == "failed":  # a failed instance runs nowhere and holds no vCPU/RAM charge
         await conn.execute(Q["instance_set_state"], instance_id, "stopped", None)
         await conn.execute(Q["instance_set_intent"], instance_id, "stopped")
-        return await app.instance_changed(conn, instance_id)
+        return await instance_changed(app, conn, instance_id)
     raise bus.Conflict(f"instance is {state}; it can be stopped once it is running")
 
 
 async def retire(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> None:
     """A pool VM its pool no longer needs is meant to be stopped from now on (a change of intent: a new
     generation, and an event), stopped if it runs, then deleted by the keeper. Whatever state it is in
-    (starting, say), the keeper's later passes stop it once it runs (pools.Keeper.keep). Checked under
+    (starting, say), the keeper's later passes stop it once it runs (pool_keeper.Keeper.keep). Checked under
     the row lock: a VM handed out meanwhile is a customer's now, and is left alone."""
     inst = await conn.fetchrow(Q["instance_lock"], instance_id)
     if inst["pool_id"] is None or inst["has_customer_data_at"] is not None:
@@ -54,7 +58,7 @@ async def retire(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> 
     if inst["state"] == "running":
         await stop(app, conn, instance_id)
     elif await conn.fetchval(Q["instance_set_intent"], instance_id, "stopped") is not None:
-        await app.instance_changed(conn, instance_id)
+        await instance_changed(app, conn, instance_id)
 
 
 async def delete(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> InstanceView:
@@ -62,8 +66,8 @@ async def delete(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> 
     if inst["state"] not in ("stopped", "failed") or inst["active_vmm_id"] is not None:
         raise bus.Conflict(f"instance is {inst['state']}; only a stopped or failed instance can be deleted")
     gen = await conn.fetchval(Q["instance_destroy"], instance_id)
-    await app.release_charge(conn, instance_id, gen)
-    return await app.instance_changed(conn, instance_id)
+    await charging.release(app.relay, conn, [(await view(conn, instance_id, app.settings), gen)])
+    return await instance_changed(app, conn, instance_id)
 
 
 async def apply_vmm_reports(app: App, batch: list[bus.Delivery]) -> None:
@@ -185,7 +189,7 @@ class _Moves:
             await _migration_end(app, conn, inst, took_over, reason)
         if self.states:
             await conn.execute(Q["instances_set_state"], list(self.states), list(self.states.values()))
-            await app.instances_changed(conn, list(self.states))
+            await instances_changed(app, conn, list(self.states))
         await _active_vmms_ended(app, conn, self.ended)
 
 
@@ -247,8 +251,8 @@ async def _active_vmms_ended(app: App, conn: asyncpg.Connection, ended: list[End
         [e.reason if e.state == "failed" else None for e in ended],
     )
     generation = {r["id"]: r["generation"] for r in rows}
-    views = await app.instances_changed(conn, [e.inst["id"] for e in ended])
-    await app.release_charges(conn, [(v, generation[v.id]) for v in views])
+    views = await instances_changed(app, conn, [e.inst["id"] for e in ended])
+    await charging.release(app.relay, conn, [(v, generation[v.id]) for v in views])
 
 
 async def _migration_end(
@@ -265,7 +269,7 @@ async def _migration_end(
     else:
         await conn.fetchval(Q["migration_end"], inst["id"], target, source, f"migration failed: {reason}")
         telemetry.count("migrations.failed")
-    await app.instance_changed(conn, inst["id"])
+    await instance_changed(app, conn, inst["id"])
 
 
 async def end_unclaimed_vmm(conn: asyncpg.Connection, vmm_id: uuid.UUID) -> None:
@@ -386,5 +390,5 @@ async def settle(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID, gen
     """A failed instance that will not be restarted comes to rest as stopped (unless it changed since)."""
     if await conn.fetchval(Q["settle_failed"], instance_id, generation) is None:
         return False
-    await app.instance_changed(conn, instance_id)
+    await instance_changed(app, conn, instance_id)
     return True

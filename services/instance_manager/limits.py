@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from shared import bus, subjects
-from shared.config import settings
+from shared import bus
+from shared.config import Settings
+from shared.topology import subjects
 
 RATES_REFRESH = 5.0
 """Seconds between two reads of the silos' own command rates (another replica's `silo limits`)."""
@@ -100,8 +101,8 @@ def identity_of(reply: str | None) -> str:
     if not reply:
         return ""
     head, _, rest = reply.partition(".")
-    if head.startswith("_INBOX_"):
-        return head.removeprefix("_INBOX_")
+    if (identity := subjects.inbox_identity(head)) is not None:
+        return identity
     return f"{head}.{rest.partition('.')[0]}"
 
 
@@ -109,7 +110,10 @@ def exempt(subject: str) -> bool:
     """Recovery's orders (`rp.cmd.<silo>.vmm.*`, `instance.restart`, `instance.settle`): internal
     traffic, and only recovery may publish them (deploy/identities.py RECOVERY_ORDERS, enforced by the
     broker), so no tenant's limit may hold them up."""
-    resource, _, verb = subject.split(".", 3)[-1].partition(".")
+    try:
+        _, resource, verb = subjects.parse_command(subject)
+    except ValueError:  # not a command's subject: no exemption (the command itself is refused later)
+        return False
     return resource == "vmm" or (resource == "instance" and verb in ("restart", "settle"))
 
 
@@ -129,9 +133,9 @@ COLUMNS = {
 """A silo's tenant limits, as replies name them, and their columns (NULL: the rack's default)."""
 
 
-def in_force(silo: asyncpg.Record) -> dict[str, int]:
-    """The silo's limits in force: its own, else the rack's defaults (shared/config.py)."""
-    s = settings()
+def in_force(silo: asyncpg.Record, rack: Settings) -> dict[str, int]:
+    """The silo's limits in force: its own, else the rack's defaults (`App.settings`)."""
+    s = rack
     defaults = {
         "projects": s.silo_max_projects,
         "instances": s.silo_max_instances,

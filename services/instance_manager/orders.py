@@ -19,14 +19,14 @@ import uuid
 
 import asyncpg
 
-from services.instance_manager.app import SOURCE, App, Q
+from services.instance_manager.app import App
+from services.instance_manager.base import SOURCE, Q
 from services.instance_manager.lifecycle import Evidence, Lost, fail_vmms
-from shared import bus, subjects, telemetry
-from shared.config import sled_unknown_after, transition_timeout, zombie_grace
+from shared import bus, telemetry
 from shared.db import enqueue
-from shared.faults import FAULTS
 from shared.messages import LostVmm, VmmDestroy, VmmLostV2, VmmStuck, VmmZombie
 from shared.messages.orders import shows_awaited
+from shared.topology import subjects
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,6 @@ class Stale(bus.CommandError):
         super().__init__("stale", message)
         telemetry.count(f"orders.stale.{order}")
         log.info("order %s refused as stale: %s", order, message)
-
-
-def _fenced() -> bool:
-    """False only under the fault that switches the fence off (to prove the checker sees what follows)."""
-    return not (FAULTS.settings.skip_order_fence or False)
 
 
 def _check_claim(
@@ -57,8 +52,6 @@ def _check_claim(
     or as its migration target."""
     if vmm is None or vmm["ended_at"] is not None:
         raise Stale(order, f"VMM {vmm_id} has {'no record' if vmm is None else 'ended already'}")
-    if not _fenced():
-        return
     assert inst is not None
     if inst["id"] != instance_id:
         raise Stale(order, f"VMM {vmm_id} belongs to instance {inst['id']}, not {instance_id}")
@@ -84,7 +77,7 @@ async def lost(app: App, conn: asyncpg.Connection, batch: list[VmmLostV2]) -> li
     are failed together (lifecycle.fail_vmms), in a fixed number of statements however many there are.
     Returns, for each order, what became of each of its VMMs, or `stale: <why>`."""
     vmms, insts = await _locked(conn, [v.vmm_id for order in batch for v in order.vmms])
-    rows = await conn.fetch(Q["sleds_seen"], sorted({o.sled_id for o in batch}), sled_unknown_after())
+    rows = await conn.fetch(Q["sleds_seen"], sorted({o.sled_id for o in batch}), app.settings.unknown_after())
     seen = {r["id"]: r for r in rows}
     results: list[dict[uuid.UUID, str]] = [{} for _ in batch]
     doomed: dict[uuid.UUID, Lost] = {}
@@ -102,8 +95,7 @@ async def lost(app: App, conn: asyncpg.Connection, batch: list[VmmLostV2]) -> li
                     v.generation,
                 )
                 assert vmm is not None
-                if _fenced():
-                    _check_lost(order, v, vmm, seen.get(order.sled_id))
+                _check_lost(order, v, vmm, seen.get(order.sled_id))
             except Stale as e:
                 result[v.vmm_id] = f"stale: {e.message}"
                 continue
@@ -136,22 +128,20 @@ async def stuck(app: App, conn: asyncpg.Connection, order: VmmStuck) -> str:
     inst = insts.get(vmm["instance_id"]) if vmm else None
     _check_claim("stuck", vmm, inst, order.vmm_id, order.instance_id, order.generation)
     assert vmm is not None and inst is not None
-    timeout = transition_timeout()
-    reason = f"{order.state} for over {timeout:g}s"
-    proof: tuple[int | None, int | None] = (None, None)  # the inventory judged on, by (boot, seq)
-    if _fenced():
-        if inst["state"] != order.state:
-            raise Stale("stuck", f"instance {order.instance_id} is {inst['state']}, not {order.state}")
-        wanted = inst["target_vmm_id"] if order.state == "migrating" else inst["active_vmm_id"]
-        if wanted != order.vmm_id:
-            raise Stale("stuck", f"VMM {order.vmm_id} is not the one instance {order.instance_id} waits on")
-        evidence = await conn.fetchrow(
-            Q["stuck_evidence"], order.vmm_id, order.instance_id, timeout, sled_unknown_after()
-        )
-        _check_stuck(order, evidence, timeout)
-        shown = evidence["shown"]
-        reason += f" (sled {evidence['sled_id']} {f'lists it as {shown}' if shown else 'does not list it'})"
-        proof = (evidence["boot_number"], evidence["inventory_seq"])
+    timeout = app.settings.transition_timeout
+    if inst["state"] != order.state:
+        raise Stale("stuck", f"instance {order.instance_id} is {inst['state']}, not {order.state}")
+    wanted = inst["target_vmm_id"] if order.state == "migrating" else inst["active_vmm_id"]
+    if wanted != order.vmm_id:
+        raise Stale("stuck", f"VMM {order.vmm_id} is not the one instance {order.instance_id} waits on")
+    evidence = await conn.fetchrow(
+        Q["stuck_evidence"], order.vmm_id, order.instance_id, timeout, app.settings.unknown_after()
+    )
+    _check_stuck(order, evidence, timeout)
+    shown = evidence["shown"]
+    seen = f"lists it as {shown}" if shown else "does not list it"
+    reason = f"{order.state} for over {timeout:g}s (sled {evidence['sled_id']} {seen})"
+    proof = (evidence["boot_number"], evidence["inventory_seq"])  # the inventory judged on, by (boot, seq)
     lost = Lost(order.vmm_id, reason, Evidence("stuck", vmm["boot_number"], *proof))
     return (await fail_vmms(app, conn, [lost]))[order.vmm_id]
 
@@ -183,21 +173,18 @@ def _check_stuck(order: VmmStuck, evidence: asyncpg.Record, timeout: float) -> N
 async def zombie(app: App, conn: asyncpg.Connection, order: VmmZombie) -> str:
     """A VMM a sled runs that nobody claims: destroyed, if no instance names it as active or target right
     now and its record (if it has one) ended longer than the grace period ago, by this service's clock."""
-    grace = zombie_grace()
+    grace = app.settings.zombie_grace
     vmm = await conn.fetchrow(Q["vmms_lock"], [order.vmm_id], grace)
     claimants = await conn.fetch(Q["vmm_claimants"], order.vmm_id)
-    if _fenced():
-        if claimants:
-            raise Stale("zombie", f"VMM {order.vmm_id} is claimed by instance {claimants[0]['id']}")
-        if vmm is not None:
-            if vmm["sled_id"] != order.sled_id:
-                raise Stale(
-                    "zombie", f"VMM {order.vmm_id} is placed on {vmm['sled_id']}, not {order.sled_id}"
-                )
-            if vmm["ended_at"] is None:
-                raise Stale("zombie", f"VMM {order.vmm_id} has a live record")
-            if not vmm["ended_long_ago"]:
-                raise Stale("zombie", f"VMM {order.vmm_id} ended less than {grace:g}s ago")
+    if claimants:
+        raise Stale("zombie", f"VMM {order.vmm_id} is claimed by instance {claimants[0]['id']}")
+    if vmm is not None:
+        if vmm["sled_id"] != order.sled_id:
+            raise Stale("zombie", f"VMM {order.vmm_id} is placed on {vmm['sled_id']}, not {order.sled_id}")
+        if vmm["ended_at"] is None:
+            raise Stale("zombie", f"VMM {order.vmm_id} has a live record")
+        if not vmm["ended_long_ago"]:
+            raise Stale("zombie", f"VMM {order.vmm_id} ended less than {grace:g}s ago")
     bucket = int(time.time() // 30)  # a new message id every 30 s, so that a lost destroy is sent again
     await enqueue(
         conn,

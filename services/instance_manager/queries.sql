@@ -163,7 +163,7 @@ RETURNING generation;
 -- name: start_interlock
 -- The "one start at a time" interlock: a compare-and-set that only one of any number of concurrent
 -- starts can win, because only one finds the instance stopped with no active VMM. Who asks ($4, as
--- start_saga.asked_by says) adds its own conditions, checked here under the row lock, by this service's
+-- StartParams.asked_by says) adds its own conditions, checked here under the row lock, by this service's
 -- clock: an automatic restart ('restart') names the generation it decided on ($3) and finds the instance
 -- failed at it, best_effort, meant to run and its next restart due (next_restart_at, with instance_view's
 -- $5 and $6), so that it loses to anything a user did since and never runs ahead of its cooldown; a pool
@@ -357,7 +357,7 @@ WHERE $1::text IS NULL OR s.id > $1
 ORDER BY s.id LIMIT $2 + 1;
 
 -- name: outcomes_insert
--- Record the outcomes, and tell every replica once they are committed (App.hear_outcomes): the charge
+-- Record the outcomes, and tell every replica once they are committed (Charging.hear_outcomes): the charge
 -- waiting for one may be running in a replica other than the one whose consumer read it. Returns the
 -- charges recorded (not those that had an outcome already).
 WITH recorded AS (

@@ -10,12 +10,13 @@ import time
 
 import asyncpg
 
-from services.instance_manager.app import SOURCE, App, Q
-from services.instance_manager.saga import StepFailed
-from shared import bus, subjects, telemetry
-from shared.config import sled_unknown_after
+from services.instance_manager.app import App
+from services.instance_manager.base import SOURCE, Q
+from services.instance_manager.sagas.definition import StepFailed
+from shared import bus, telemetry
 from shared.db import enqueue_many
 from shared.messages import SledChanged, SledInventory, SledView
+from shared.topology import subjects
 
 GiB = 2**30
 
@@ -95,6 +96,7 @@ async def reserve(
     avoid: str | None = None,
     only: str | None = None,
     judge_silence: bool = True,
+    silent_after: float,
 ) -> asyncpg.Record:
     """Reserve room on the least loaded active sled (never `avoid`; `only` if named): its id and boot id.
 
@@ -102,8 +104,9 @@ async def reserve(
     so they never wait on each other; when those are the only sleds with room (few sleds, many
     placements), this one tries again a moment later, rather than backing off as a failed step does.
     No room anywhere fails the step, unless silence cannot be judged yet (`judge_silence` false: see
-    `App.hears_sleds`): then the step is retried, since the sleds may only seem silent."""
-    silent = sled_unknown_after()
+    `App.hears_sleds`): then the step is retried, since the sleds may only seem silent. A sled silent for
+    `silent_after` seconds does not answer (`Settings.unknown_after`)."""
+    silent = silent_after
     for _ in range(PLACE_ATTEMPTS):
         placed = await tx.fetchrow(Q["place"], vcpus, ram_bytes, avoid, only, silent)
         if placed is not None:
@@ -122,12 +125,14 @@ async def reserve(
     raise StepFailed(f"no {'other ' if avoid else ''}active sled that answers has {room}")
 
 
-async def still_placeable(tx: asyncpg.Connection, sled_id: str, *, judge_silence: bool = True) -> None:
+async def still_placeable(
+    tx: asyncpg.Connection, sled_id: str, *, judge_silence: bool = True, silent_after: float
+) -> None:
     """The second look at a placement, when its VMM record is written: the sled must still be active and
     answering. The lock it takes waits for an expunge under way, so an expunge that commits mid-saga is
     seen here and unwinds the start rather than leaving a VMM on an expunged sled. A sled that seems
     silent while silence cannot be judged yet (`judge_silence` false) makes the step retry."""
-    sled = await tx.fetchrow(Q["sled_placeable"], sled_id, sled_unknown_after())
+    sled = await tx.fetchrow(Q["sled_placeable"], sled_id, silent_after)
     if sled is None or sled["state"] != "active":
         raise StepFailed(f"sled {sled_id} was {sled['state'] if sled else 'removed'} while it was placed on")
     if not sled["answering"]:

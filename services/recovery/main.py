@@ -9,8 +9,9 @@ import logging
 import uuid
 from typing import Any
 
+from services.recovery import MIGRATIONS
 from services.recovery.reconcile import SOURCE, Q, Reconciler
-from shared import bus, subjects, telemetry
+from shared import bus, telemetry, topology
 from shared.config import Settings
 from shared.messages import InstanceChanged, InstanceChangedV2, InstanceView, SledChanged, SledInventory
 from shared.service import connect_bus, open_database, run_forever, serve_faults, serve_stats
@@ -20,9 +21,17 @@ SCHEMA = "recovery"
 
 
 async def main(settings: Settings) -> None:
-    pool = await open_database(settings, SCHEMA)
+    pool = await open_database(settings, SCHEMA, MIGRATIONS)
     nc, js = await connect_bus(settings, SOURCE)
-    reconciler = Reconciler(pool, nc, settings.database_url)
+    reconciler = Reconciler(
+        pool,
+        nc,
+        settings.database_url,
+        interval=settings.reconcile_interval,
+        zombie_grace=settings.zombie_grace,
+        transition_timeout=settings.transition_timeout,
+        unknown_after=settings.unknown_after(),
+    )
 
     async def on_instances(batch: list[bus.Delivery]) -> None:
         """A batch of instance events, both versions (while producers send both, the second copy of a
@@ -78,29 +87,24 @@ async def main(settings: Settings) -> None:
 
     await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE, stats)
-    common: dict[str, Any] = {"service": SOURCE, "verify": None}
+    common: dict[str, Any] = {"service": SOURCE, "verify": None, "ack_wait": settings.ack_wait}
     log.info("recovery ready")
     await run_forever(
         reconciler.run(),
-        bus.BatchConsumer(
-            js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-instances",
-            filter_subject=subjects.event("*", "instance", "changed"), batch_handler=on_instances,
+        bus.Consumer(
+            js, **common, **topology.RECOVERY_INSTANCES.binding, batch_handler=on_instances,
             expect=InstanceChanged,
         ).run(),
-        bus.BatchConsumer(
-            js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-instances-v2",
-            filter_subject=subjects.event("*", "instance", "changed", version=2), batch_handler=on_instances,
+        bus.Consumer(
+            js, **common, **topology.RECOVERY_INSTANCES_V2.binding, batch_handler=on_instances,
             expect=InstanceChangedV2,
         ).run(),
-        bus.BatchConsumer(
-            js, **{**common, "verify": subjects.sled_claim_error}, stream=subjects.SLED_REPORT_STREAM,
-            durable="recovery-inventory", filter_subject=subjects.sled_report("*", "inventory"),
+        bus.Consumer(
+            js, **{**common, "verify": topology.sled_claim_error}, **topology.RECOVERY_INVENTORY.binding,
             batch_handler=on_inventories, expect=SledInventory,
         ).run(),
-        bus.BatchConsumer(
-            js, **common, stream=subjects.EVENTS_STREAM, durable="recovery-sleds",
-            filter_subject=subjects.event(None, "sled", "changed"), batch_handler=on_sleds,
-            expect=SledChanged,
+        bus.Consumer(
+            js, **common, **topology.RECOVERY_SLEDS.binding, batch_handler=on_sleds, expect=SledChanged,
         ).run(),
     )  # fmt: skip
 

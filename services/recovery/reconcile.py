@@ -35,8 +35,7 @@ from pathlib import Path
 import asyncpg
 from nats.aio.client import Client as NATS
 
-from shared import bus, db, metrics, subjects, telemetry
-from shared.config import settings, sled_unknown_after, transition_timeout, zombie_grace
+from shared import bus, db, metrics, telemetry
 from shared.messages import (
     InstanceRestart,
     InstanceSettle,
@@ -48,6 +47,7 @@ from shared.messages import (
     VmmZombie,
 )
 from shared.messages.orders import LOST_BATCH, shows_awaited
+from shared.topology import subjects
 
 log = logging.getLogger(__name__)
 SOURCE = "recovery"
@@ -84,8 +84,15 @@ class Reconciler:
     pool: asyncpg.Pool
     nc: NATS
     dsn: str
-    interval: float = field(default_factory=lambda: settings().reconcile_interval)
-    zombie_grace: float = field(default_factory=zombie_grace)
+    interval: float = 10.0
+    """Seconds between passes (RACKPLANE_RECONCILE_INTERVAL)."""
+    zombie_grace: float = 10.0
+    """How long a VMM nobody expects may run before it is destroyed (RACKPLANE_ZOMBIE_GRACE)."""
+    transition_timeout: float = 60.0
+    """How long an instance may stay starting or stopping before it is looked at
+    (RACKPLANE_TRANSITION_TIMEOUT)."""
+    unknown_after: float = 15.0
+    """Silence after which a sled does not answer (`Settings.unknown_after`)."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Reconciler 1 looks now (a sled came back on a new boot)."""
     wake_restarts: asyncio.Event = field(default_factory=asyncio.Event)
@@ -192,7 +199,7 @@ class Reconciler:
         timeout after the instance's last change that does not show what the instance waits for. One
         that shows it means a late report, not a stuck VMM: no order (instance-manager would refuse it,
         and a migration's target may be the instance's only copy)."""
-        rows = await self.pool.fetch(Q["stuck"], transition_timeout(), sled_unknown_after())
+        rows = await self.pool.fetch(Q["stuck"], self.transition_timeout, self.unknown_after)
         late = [r for r in rows if r["judged"] and shows_awaited(r["state"], r["shown"])]
         stuck = [r for r in rows if r["judged"] and not shows_awaited(r["state"], r["shown"])]
         telemetry.count("reconcile.stuck_reports_late", len(late))

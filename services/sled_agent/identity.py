@@ -11,8 +11,9 @@ from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
-from shared import bus, subjects
+from shared import bus
 from shared.config import Settings
+from shared.topology import subjects
 
 
 class NoCredential(Exception):

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 
 from services.sled_agent import identity
 from services.sled_agent.sled import SOURCE, Sled, Timing, rack_boots, read_rack_boots
-from shared import bus, subjects
+from shared import bus, topology
 from shared.config import Settings
 from shared.messages import (
     Envelope,
@@ -48,6 +48,7 @@ def timing_of(settings: Settings) -> Timing:
         report_retry=settings.report_retry,
         migrate_delay=settings.migrate_delay,
         migrate_timeout=settings.migrate_timeout,
+        inventory_ttl=settings.inventory_keep(),
     )
 
 
@@ -92,7 +93,7 @@ class Simulator:
     def start(self, sled: Sled) -> None:
         sled.peer = self.sleds.get
         sled.resume()
-        orders = command_loop(sled, self.settings.inventory_interval)
+        orders = command_loop(sled, self.settings.inventory_interval, self.settings.ack_wait)
         self._loops[sled.sled_id] = asyncio.create_task(orders)
 
     def remove(self, sled_id: str) -> None:
@@ -110,7 +111,7 @@ class Simulator:
         return sled
 
 
-async def command_loop(sled: Sled, idle_wait: float) -> None:
+async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
     """The sled's orders. An idle sled waits `idle_wait` (its inventory interval) for one before asking
     again: thousands of sleds asking every second would load the broker more than all their inventories
     do, and after a broker restart a sled is no later to take its orders than to report.
@@ -122,7 +123,7 @@ async def command_loop(sled: Sled, idle_wait: float) -> None:
     async def handle(env: Envelope, body: Any, msg: Msg) -> None:
         if not sled.reachable:
             raise bus.Retry("sled is frozen or cut off", delay=1.0)
-        sled.naming = schema_of(body)[0].removeprefix("rp.sled.")  # crash point sled-agent:write:vmm.stop...
+        sled.naming = topology.sled_verb(schema_of(body)[0])  # crash point sled-agent:write:vmm.stop...
         try:
             if isinstance(body, VmmEnsure):
                 await sled.ensure(body)
@@ -138,15 +139,13 @@ async def command_loop(sled: Sled, idle_wait: float) -> None:
 
     await bus.Consumer(
         sled.js,
-        service="sled-agent",
-        stream=subjects.SLED_CMD_STREAM,
-        durable=subjects.sled_durable(sled.sled_id),
-        filter_subject=subjects.sled_command(sled.sled_id, ">"),
+        service=SOURCE,
+        **topology.sled(sled.sled_id).binding,  # never gives up: a frozen sled holds its commands back
         handler=handle,
         expect=(VmmEnsure, VmmStop, VmmMigrate, VmmDestroy),
-        verify=lambda subject, body: subjects.command_error(subject, schema_of(body)[0]),
-        max_deliver=1_000_000,  # a frozen sled holds its commands back for as long as it stays frozen
+        verify=lambda subject, body: topology.command_error(subject, schema_of(body)[0]),
         idle_wait=idle_wait,
+        ack_wait=ack_wait,
     ).run()
 
 
@@ -256,7 +255,7 @@ async def serve_control(nc: Any, sim: Simulator) -> None:
         SimSledAdd: add,
     }
     # remember: a command sent again (its reply lost) gets the first's reply, not a second reboot or sled
-    await bus.serve(nc, "rp.sim.>", handlers, queue=SOURCE, check_silo=False, remember=1000)
+    await bus.serve(nc, topology.sim_control(">"), handlers, queue=SOURCE, check_silo=False, remember=1000)
 
 
 async def main(settings: Settings) -> None:

@@ -101,6 +101,3 @@ class ServiceFaults(Model):
     """Apply the faults only to subjects starting with one of these prefixes; empty: every subject."""
     seed: int | None = None
     """Seed the fault layer's random choices (delays, probabilities, shuffles), for a repeatable run."""
-    skip_order_fence: bool | None = None
-    """instance-manager applies recovery's orders without checking what they saw: a deliberate bug, so
-    that a test can show the checker catching the wrongful kills it causes."""

@@ -43,10 +43,10 @@ from nats.aio.msg import Msg
 
 from rackctl.client import Client
 from services.accounting.ledger import Charge, apply_batch
-from shared import subjects
 from shared.bus import MSG_ID
 from shared.db import OutboxRelay, create_pool
 from shared.messages import ProvisionDelta, Quota, decode, encode, envelope
+from shared.topology import subjects
 from tests.bench import UNLIMITED
 from tests.bench.processes import cpu_seconds, processes
 from tests.conftest import GiB, connect_as, eventually, private_rack, unique

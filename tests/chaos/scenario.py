@@ -21,7 +21,7 @@ processes of each service) the weather loses one machine at a time instead of re
 and the one database: a broker node killed with SIGKILL (half the time the one leading a stream), the
 database primary's whole node (Patroni and its PostgreSQL; it rejoins as the standby), one service process
 (kill -9, as in the one-machine soak); never two at once. Every command the workers sent is kept with its
-reply, and at rest `no_acknowledged_command_lost` holds each ok reply against the rack (rackctl/check.py).
+reply, and at rest `no_acknowledged_command_lost` holds each ok reply against the rack (rackctl/invariants/).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from deploy.identities import ACCOUNT
 from deploy.nats_cluster import NatsCluster
 from deploy.patroni import PatroniCluster
 from deploy.stack import Stack
-from rackctl.check import Sent, check_each
 from rackctl.client import Client
-from shared import bus, subjects
+from rackctl.invariants import Sent, check_each
+from shared import bus
 from shared.bus import CommandError, NoReply
 from shared.messages import (
     AutoRestart,
@@ -61,6 +61,7 @@ from shared.messages import (
 )
 from shared.messages.base import MAX_HOLD_SECONDS
 from shared.messages.simulator import SimSledCapacity
+from shared.topology import subjects
 from tests.conftest import connect_as
 
 GiB = 2**30
@@ -107,9 +108,9 @@ broker node's loss would take every sled out of placement."""
 ONE_MACHINE_OPS = ("kill", "kill_broker", "restart_broker", "long_outage", "restart_database")
 """The one broker's and the one database's restarts and outages, and the kill -9 of a service: on the HA
 stack, the losses of one machine at a time (LOSSES) take their place."""
-LOSSES = {"kill_broker_node": 3, "kill": 4, "kill_db_primary": 1}
+LOSSES = {"kill_broker_node": 3, "kill": 4, "kill_db_primary": 1, "kill_etcd_member": 1}
 """The HA soak's losses, drawn one after another by `machine_weather`: a broker node, a service process,
-the database primary's node."""
+the database primary's node, a member of the etcd that holds the primary's key."""
 LOSS_GAP = (2.0, 8.0)
 """Seconds between the end of one loss (the machine back whole) and the next."""
 PRIMARY_KILL_EVERY = 300.0
@@ -118,6 +119,7 @@ the leader TTL (20 s) each time, which is about the database downtime of the one
 KILLS = (
     "kill -9", "broker_kill -9", "broker_restart", "broker outage past the dedupe window", "database_restart",
     "broker node killed", "broker node killed (stream leader)", "database primary's node killed",
+    "etcd member killed",
 )  # fmt: skip
 """The faults that take a process or a machine away: the summary counts them on a line of their own."""
 
@@ -791,6 +793,25 @@ class Scenario:
                 await asyncio.to_thread(pg.wait_standby, old, 90)
         return f"{pg.members[old].name}, {pg.members[new].name} promoted"
 
+    async def op_kill_etcd_member(self, rng: random.Random) -> str:
+        """One of the three etcd members that keep the database primary's key killed with SIGKILL and
+        started again 1 to 12 s later: the other two are a quorum, so the primary keeps its key and no
+        failover follows; the next machine is lost only once the member is back."""
+        pg = self.stack.postgres
+        assert isinstance(pg, PatroniCluster)
+        if self._infra.locked():
+            return "(another machine is down)"
+        async with self._infra:
+            i = rng.randrange(len(pg.etcd))
+            await asyncio.to_thread(pg.kill_etcd, i)
+            self.report.faults["etcd member killed"] += 1
+            try:
+                await asyncio.sleep(rng.uniform(1, 12))
+            finally:
+                await asyncio.to_thread(pg.start_etcd)
+                self.stack.write_manifest()
+        return pg.etcd[i].name
+
     # --- the end of a run ---
 
     async def quiesce(self, settle_for: float = 120) -> None:
@@ -827,6 +848,7 @@ class Scenario:
                     self.stack.nats.start_node(i)
             self.stack.nats.wait_meta_leader()
         if isinstance(self.stack.postgres, PatroniCluster):
+            self.stack.postgres.start_etcd()
             for i, member in enumerate(self.stack.postgres.members):
                 if not member.alive:
                     self.stack.postgres.start_node(i)

@@ -1,4 +1,4 @@
-"""`no_acknowledged_command_lost` (rackctl/check.py), the invariant the chaos soak holds every ok reply to:
+"""`no_acknowledged_command_lost` (rackctl/invariants/), the invariant the chaos soak holds every ok reply to:
 silent on what the rack was told and did, and reporting each kind of promise broken. The commands are real
 (on the session stack); a broken promise is a reply the rack never gave, added to what it did give: the
 checker compares the two, so a reply whose effect is missing and a rack that lost an effect look alike.
@@ -10,9 +10,9 @@ from typing import Any
 
 import asyncpg
 
-from rackctl import check as checker
-from rackctl.check import Sent
+from rackctl import invariants as checker
 from rackctl.client import Client
+from rackctl.invariants import Sent
 from tests.conftest import GiB, eventually, wait_state
 
 

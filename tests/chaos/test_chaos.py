@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rackctl import check as checker
-from shared import subjects
+from rackctl import invariants as checker
+from shared.topology import subjects
 from tests import release
 from tests.chaos.scenario import CHAOS_ENV, HA_ENV, SELF_HARM, WEIGHTS, Scenario, ha_weights
 from tests.conftest import instance_changes, private_rack

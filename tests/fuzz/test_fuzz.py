@@ -26,9 +26,8 @@ from hypothesis import strategies as st
 from nats.aio.client import Client as NATS
 
 from deploy import identities
-from rackctl.check import consumers_settled
 from rackctl.client import Client
-from shared import subjects
+from rackctl.invariants import consumers_settled
 from shared.bus import DLQ_TRUNCATED
 from shared.messages import (
     BadMessage,
@@ -40,6 +39,7 @@ from shared.messages import (
     decode,
     registry,
 )
+from shared.topology import subjects
 from tests.conftest import GiB, assert_invariants, connect_as, private_rack, wait_state
 from tests.fuzz.strategies import Real, Shot, shots
 

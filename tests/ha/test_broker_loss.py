@@ -29,8 +29,8 @@ from deploy.identities import ACCOUNT
 from deploy.nats_cluster import NatsCluster
 from deploy.stack import REPLICATED, Stack, replica_key
 from rackctl.client import Client
-from shared import subjects
 from shared.bus import CommandError
+from shared.topology import subjects
 from tests.conftest import GiB, Rack, assert_invariants, eventually, private_rack, unique, usage_is
 from tests.test_cli import assert_ok
 from tests.test_usage_audit import audit

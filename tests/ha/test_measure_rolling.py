@@ -27,7 +27,7 @@ from deploy.identities import ACCOUNT
 from deploy.nats_cluster import NatsCluster
 from deploy.patroni import PatroniCluster, installed
 from deploy.stack import REPLICATED, SERVICES, Stack, nats_server_binary, replica_key, wait_until
-from shared import subjects
+from shared.topology import subjects
 from tests.conftest import Rack, assert_invariants, private_rack
 from tests.ha.callers import Loss, callers, measure
 from tests.ha.test_broker_loss import SILENCE
