@@ -68,12 +68,11 @@ def delta(
     )
 
 
-async def queue(
-    relay: OutboxRelay, conn: asyncpg.Connection, charges: list[tuple[Account, ProvisionDelta]]
-) -> None:
+async def queue(conn: asyncpg.Connection, charges: list[tuple[Account, ProvisionDelta]]) -> None:
     """The one way a delta is sent: the charges marked pending (a resend of one already answered adds
     nothing) and their deltas written to the outbox, in the caller's transaction, two statements however
-    many there are."""
+    many there are. The caller kicks the relay once it has committed (the saga engine after each step,
+    `Charging.charge`; a lifecycle change with its instance event)."""
     if not charges:
         return
     await conn.execute(
@@ -91,19 +90,16 @@ async def queue(
         ],
         source=SOURCE,
     )
-    relay.kick()
 
 
-async def release(
-    relay: OutboxRelay, conn: asyncpg.Connection, released: list[tuple[InstanceView, int]]
-) -> None:
+async def release(conn: asyncpg.Connection, released: list[tuple[InstanceView, int]]) -> None:
     """Queue each instance's charge as of its generation: disk only (or nothing, once destroyed)."""
     charges = []
     for v, gen in released:
         disk = 0 if v.state == InstanceState.destroyed else v.disk_bytes
         account = Account.of(v)
         charges.append((account, delta(account, gen, vcpus=0, ram_bytes=0, disk_bytes=disk)))
-    await queue(relay, conn, charges)
+    await queue(conn, charges)
 
 
 @dataclass
@@ -137,7 +133,7 @@ class Charging:
                 if (known := await self._outcome(key, waiter)) is not None:
                     return known
                 async with self.pool.acquire() as conn, conn.transaction():
-                    await queue(self.relay, conn, [(account, d)])
+                    await queue(conn, [(account, d)])
                 self.relay.kick()  # committed now: the relay finds the row at once
                 # Sent again only when the timer runs out: a wake that brings no outcome (a listener
                 # reconnecting wakes every waiter) only reads again.

@@ -66,7 +66,7 @@ async def delete(app: App, conn: asyncpg.Connection, instance_id: uuid.UUID) -> 
     if inst["state"] not in ("stopped", "failed") or inst["active_vmm_id"] is not None:
         raise bus.Conflict(f"instance is {inst['state']}; only a stopped or failed instance can be deleted")
     gen = await conn.fetchval(Q["instance_destroy"], instance_id)
-    await charging.release(app.relay, conn, [(await view(conn, instance_id, app.settings), gen)])
+    await charging.release(conn, [(await view(conn, instance_id, app.settings), gen)])
     return await instance_changed(app, conn, instance_id)
 
 
@@ -252,7 +252,7 @@ async def _active_vmms_ended(app: App, conn: asyncpg.Connection, ended: list[End
     )
     generation = {r["id"]: r["generation"] for r in rows}
     views = await instances_changed(app, conn, [e.inst["id"] for e in ended])
-    await charging.release(app.relay, conn, [(v, generation[v.id]) for v in views])
+    await charging.release(conn, [(v, generation[v.id]) for v in views])
 
 
 async def _migration_end(

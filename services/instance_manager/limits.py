@@ -135,12 +135,11 @@ COLUMNS = {
 
 def in_force(silo: asyncpg.Record, rack: Settings) -> dict[str, int]:
     """The silo's limits in force: its own, else the rack's defaults (`App.settings`)."""
-    s = rack
     defaults = {
-        "projects": s.silo_max_projects,
-        "instances": s.silo_max_instances,
-        "pool_members": s.silo_max_pool_members,
-        "command_rate": s.silo_command_rate,
+        "projects": rack.silo_max_projects,
+        "instances": rack.silo_max_instances,
+        "pool_members": rack.silo_max_pool_members,
+        "command_rate": rack.silo_command_rate,
     }
     return {k: defaults[k] if silo[c] is None else silo[c] for k, c in COLUMNS.items()}
 

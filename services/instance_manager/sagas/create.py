@@ -86,9 +86,8 @@ async def charge_disk_undo(ctx: Context[CreateParams]) -> None:
     gen = await ctx.tx.fetchval(Q["instance_bump"], ctx.params.instance_id)
     v = await views.view(ctx.tx, ctx.params.instance_id, ctx.app.settings)
     account = charging.Account.of(v)
-    await charging.queue(
-        ctx.app.relay, ctx.tx, [(account, charging.delta(account, gen, vcpus=0, ram_bytes=0, disk_bytes=0))]
-    )
+    released = charging.delta(account, gen, vcpus=0, ram_bytes=0, disk_bytes=0)
+    await charging.queue(ctx.tx, [(account, released)])
 
 
 async def ready(ctx: Context[CreateParams]) -> None:

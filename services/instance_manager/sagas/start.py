@@ -160,7 +160,7 @@ async def charge_undo(ctx: Context[StartParams]) -> None:
     bumped = await ctx.tx.fetchrow(Q["instance_bump_if_active"], instance_id, ctx.get(Interlocked).vmm_id)
     if bumped is not None:  # otherwise whoever took the VMM away released the charge with it
         v = await views.view(ctx.tx, instance_id, ctx.app.settings)
-        await charging.release(ctx.app.relay, ctx.tx, [(v, bumped["generation"])])
+        await charging.release(ctx.tx, [(v, bumped["generation"])])
 
 
 async def place(ctx: Context[StartParams]) -> Placed:
