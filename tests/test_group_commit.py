@@ -60,3 +60,40 @@ async def test_a_caller_that_gives_up_leaves_the_others_their_results() -> None:
     with pytest.raises(asyncio.CancelledError):
         await quitter
     assert ledger.batches == [[0], [1, 2]]  # it was applied all the same: its caller only stopped waiting
+
+
+async def test_batches_go_at_once_up_to_at_once() -> None:
+    """With `at_once` 2, a second batch is applied while the first still is (one fills while another
+    commits), and never a third."""
+    busy, most_busy = 0, 0
+    release = asyncio.Event()
+
+    async def apply(requests: list[int]) -> list[int]:
+        nonlocal busy, most_busy
+        busy += 1
+        most_busy = max(most_busy, busy)
+        await release.wait()
+        busy -= 1
+        return requests
+
+    group = GroupCommit(apply, most=1, at_once=2)
+    waiting = [asyncio.create_task(group(i)) for i in range(5)]
+    await asyncio.sleep(0.05)
+    assert busy == 2
+    release.set()
+    assert await asyncio.gather(*waiting) == [0, 1, 2, 3, 4]
+    assert most_busy == 2
+
+
+@pytest.mark.parametrize("at_once", [1, 2])
+async def test_a_request_made_as_soon_as_the_last_is_answered_is_applied(at_once: int) -> None:
+    """A caller that asks again the moment its answer comes (a saga's next step) finds a worker for it:
+    the one that answered it is gone from the count as it finishes, not a step later."""
+    ledger = Ledger()
+    group = GroupCommit(ledger.apply, most=10, at_once=at_once)
+
+    async def twice(n: int) -> tuple[int, int]:
+        first = await group(n)
+        return first, await group(n + 1)  # no await in between: asked in the step it was answered
+
+    assert await asyncio.wait_for(asyncio.gather(twice(1), twice(3)), 2) == [(10, 20), (30, 40)]

@@ -192,3 +192,51 @@ async def test_accounting_killed_between_commit_and_ack_counts_the_charge_once(
     await eventually(redelivered_and_recognised, timeout=15)
     await usage_is(client, {"vcpus": 3, "ram_bytes": GiB, "disk_bytes": GiB}, silo)
     await assert_invariants(db)
+
+
+async def _saga_of(db: asyncpg.Pool, silo: str) -> asyncpg.Record:
+    """The start saga of the silo's one instance (read in the database: instance-manager may be down):
+    its cursor, the steps its log calls done, and the charges it has pending."""
+    instance_id = await db.fetchval(
+        "SELECT i.id FROM instance_manager.instances i JOIN instance_manager.projects p"
+        " ON p.id = i.project_id JOIN instance_manager.silos s ON s.id = p.silo_id WHERE s.name = $1",
+        silo,
+    )
+    return await db.fetchrow(
+        "SELECT s.id, s.cursor, array(SELECT e.step FROM instance_manager.saga_events e"
+        "  WHERE e.saga_id = s.id AND e.event = 'done' ORDER BY e.seq) AS done,"
+        " (SELECT count(*) FROM instance_manager.pending_charges c WHERE c.instance_id = $1) AS pending"
+        " FROM instance_manager.sagas s WHERE s.kind = 'instance-start' AND s.params->>'instance_id' = $2",
+        instance_id,
+        str(instance_id),
+    )
+
+
+async def test_a_starts_charge_is_sent_in_its_interlocks_transaction(crashy: Rack) -> None:
+    """Killed before its charge step ever ran, the start has sent its charge all the same: the interlock's
+    commit wrote it (one transaction fewer a start), and the step only awaits its outcome."""
+    stack, client, db = crashy
+    silo, proj, name = await new_instance(client, "crash-charge-sent")
+    restart_service(stack, "instance_manager", crash_at="saga:instance-start/charge")
+    await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
+    saga = await _saga_of(db, silo)
+    assert (saga["cursor"], saga["done"], saga["pending"]) == (1, ["interlock"], 1)
+    restart_service(stack, "instance_manager")
+    await wait_state(client, silo, proj, name, "running", timeout=20)
+    await one_running_vmm_one_charge_and_stoppable(client, db, silo, proj, name)
+
+
+async def test_local_steps_that_follow_each_other_commit_together(crashy: Rack) -> None:
+    """`place` and `create_vmm` share one transaction: killed before `create_vmm`, the process leaves
+    neither done (no reservation without its VMM record), and the next one runs both."""
+    stack, client, db = crashy
+    silo, proj, name = await new_instance(client, "crash-together")
+    restart_service(stack, "instance_manager", crash_at="saga:instance-start/create_vmm")
+    await start_and_let_it_crash(stack, client, silo, proj, name, "instance_manager")
+    saga = await _saga_of(db, silo)
+    assert (saga["cursor"], saga["done"]) == (2, ["interlock", "charge"])
+    restart_service(stack, "instance_manager")
+    await wait_state(client, silo, proj, name, "running", timeout=20)
+    saga = await _saga_of(db, silo)
+    assert saga["done"] == ["interlock", "charge", "place", "create_vmm", "ensure_on_sled"]
+    await one_running_vmm_one_charge_and_stoppable(client, db, silo, proj, name)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
@@ -48,6 +48,8 @@ DUPLICATE_WINDOW: float = Settings.model_fields["duplicate_window"].default
 Q = queries(Path(__file__).parent / "queries.sql")
 GiB = 2**30
 AMOUNTS = ("vcpus", "ram_bytes", "disk_bytes")
+UNITS = (("vCPU", 1, ""), ("RAM", GiB, " GiB"), ("storage", GiB, " GiB"))
+"""How a refusal names each amount: its name, its unit and the unit's suffix."""
 
 
 class UnknownSilo(Exception):
@@ -164,7 +166,7 @@ def owner_error(
 
 async def lock_charges(
     conn: asyncpg.Connection, deltas: list[ProvisionDelta], window: float
-) -> dict[uuid.UUID, dict[str, Any]]:
+) -> dict[uuid.UUID, asyncpg.Record]:
     """Each instance's charge row, created at zero for an instance seen for the first time (owned by the
     project of its first delta), and locked, in key order. The rows are inserted in key order too: an
     inserted row is held until commit, so two batches inserting new instances' rows in stream order (x
@@ -178,23 +180,34 @@ async def lock_charges(
         Q["charges_ensure"], ids, [first[i].project_id for i in ids], [first[i].silo_id for i in ids]
     )
     rows = await conn.fetch(Q["charges_lock"], ids, window / 2)
-    return {r["instance_id"]: dict(r) for r in rows}
+    return {r["instance_id"]: r for r in rows}
+
+
+APPLIED = Decided(Outcome.applied, "")
+"""The result of every applied delta: results are immutable, so one serves them all."""
 
 
 class Ledger:
-    """The fence and the silo totals as the batch's deltas, decided one after another, leave them."""
+    """The fence and the silo totals as the batch's deltas, decided one after another, leave them.
 
-    def __init__(self, charges: dict[uuid.UUID, dict[str, Any]], silos: dict[Any, asyncpg.Record]) -> None:
+    A batch decides a thousand deltas in memory, one Python call each, under its silos' locks: the rows
+    it reads are not copied, a changed charge is written as a new row, and an applied delta shares one
+    result (docs/benchmarks.md)."""
+
+    def __init__(
+        self, charges: Mapping[uuid.UUID, Mapping[str, Any]], silos: Mapping[Any, Mapping[str, Any]]
+    ) -> None:
         self.charges = charges
-        self.silos = {sid: dict(r) for sid, r in silos.items()}
-        self._charged: set[uuid.UUID] = set()
-        self._silos_moved: set[Any] = set()
-        self.projects: dict[tuple[Any, Any], list[int]] = {}
-        """(project, silo) -> how far this batch moved its totals."""
+        """Each instance's charge row as locked (lock_charges): read, never written."""
+        self.decided: dict[uuid.UUID, dict[str, Any]] = {}
+        """The charge rows this batch changed, as it left them."""
+        self.silos = {sid: {**r, "moved": False} for sid, r in silos.items()}
+        self.projects: dict[Any, list[int]] = {}
+        """project -> how far this batch moved its totals."""
 
     def decide(self, d: ProvisionDelta) -> Result:
-        held = self.charges[d.instance_id]
-        if (held["project_id"], held["silo_id"]) != (d.project_id, d.silo_id):
+        held = self.decided.get(d.instance_id) or self.charges[d.instance_id]
+        if held["project_id"] != d.project_id or held["silo_id"] != d.silo_id:
             return Forged(
                 f"instance {d.instance_id} is charged to project {held['project_id']} of silo "
                 f"{held['silo_id']}, not to project {d.project_id} of silo {d.silo_id}"
@@ -203,34 +216,55 @@ class Ledger:
             return Decided(Outcome(held["outcome"]), held["reason"], repeat=True, told=held["told"])
         if d.generation < held["generation"]:
             return Decided(Outcome.stale, f"generation {d.generation} is older than {held['generation']}")
-        diff = [getattr(d, a) - held[a] for a in AMOUNTS]
+        diff = [d.vcpus - held["vcpus"], d.ram_bytes - held["ram_bytes"], d.disk_bytes - held["disk_bytes"]]
         silo = self.silos[d.silo_id]
-        self._charged.add(d.instance_id)
-        held["told"] = True  # its outcome goes out with this batch
-        if reason := quota_refusal(silo, diff):
-            held.update(generation=d.generation, outcome=Outcome.refused.value, reason=reason)
+        row = {
+            "project_id": d.project_id,
+            "silo_id": d.silo_id,
+            "generation": d.generation,
+            "told": True,  # its outcome goes out with this batch
+        }
+        if (diff[0] > 0 or diff[1] > 0 or diff[2] > 0) and (reason := quota_refusal(silo, diff)):
+            self.decided[d.instance_id] = {
+                **row,
+                "vcpus": held["vcpus"],
+                "ram_bytes": held["ram_bytes"],
+                "disk_bytes": held["disk_bytes"],
+                "outcome": Outcome.refused.value,
+                "reason": reason,
+            }
             return Decided(Outcome.refused, reason)
-        held.update(generation=d.generation, outcome=Outcome.applied.value, reason="")
-        held.update({a: getattr(d, a) for a in AMOUNTS})
-        if any(diff):
-            for a, x in zip(AMOUNTS, diff, strict=True):
-                silo[a] += x
-            self._silos_moved.add(d.silo_id)
-            moves = self.projects.setdefault((d.project_id, d.silo_id), [0, 0, 0])
-            for k, x in enumerate(diff):
-                moves[k] += x
-        return Decided(Outcome.applied, "")
+        self.decided[d.instance_id] = {
+            **row,
+            "vcpus": d.vcpus,
+            "ram_bytes": d.ram_bytes,
+            "disk_bytes": d.disk_bytes,
+            "outcome": Outcome.applied.value,
+            "reason": "",
+        }
+        if diff[0] or diff[1] or diff[2]:
+            silo["vcpus"] += diff[0]
+            silo["ram_bytes"] += diff[1]
+            silo["disk_bytes"] += diff[2]
+            silo["moved"] = True
+            if (moves := self.projects.get(d.project_id)) is None:
+                self.projects[d.project_id] = diff
+            else:
+                moves[0] += diff[0]
+                moves[1] += diff[1]
+                moves[2] += diff[2]
+        return APPLIED
 
     def changed_charges(self) -> list[dict[str, Any]]:
-        return [{"instance_id": i, **self.charges[i]} for i in in_key_order(self._charged)]
+        return [{"instance_id": i, **self.decided[i]} for i in in_key_order(self.decided)]
 
     def changed_silos(self) -> list[dict[str, Any]]:
-        return [self.silos[s] for s in sorted(self._silos_moved)]
+        return [self.silos[s] for s in sorted(self.silos) if self.silos[s]["moved"]]
 
     def project_moves(self) -> list[dict[str, Any]]:
         return [
             {"id": p, **dict(zip(AMOUNTS, m, strict=True))}
-            for (p, _), m in sorted(self.projects.items())
+            for p, m in sorted(self.projects.items())
             if any(m)
         ]
 
@@ -245,15 +279,14 @@ def quota_refusal(silo: dict[str, Any], diff: list[int]) -> str:
     """Why the silo cannot take the change `diff` (vCPUs, RAM, disk), or "" if it can: only increases are
     checked, reaching a quota exactly is allowed, and no silo total may pass MAX_TOTAL (so that no sum of
     them overflows, and neither does a project's, which is at most its silo's)."""
-    units = (("vCPU", 1, ""), ("RAM", GiB, " GiB"), ("storage", GiB, " GiB"))
-    for (name, unit, suffix), a, asked in zip(units, AMOUNTS, diff, strict=True):
+    for (name, unit, suffix), a, asked in zip(UNITS, AMOUNTS, diff, strict=True):
         used, quota = silo[a], silo[f"quota_{a}"]
         if asked > 0 and quota is not None and used + asked > quota:
             return (
                 f"{name} quota exceeded: {used / unit:g}{suffix} of {quota / unit:g}{suffix} used, "
                 f"{asked / unit:g}{suffix} asked"
             )
-    for (name, _, _), a, asked in zip(units, AMOUNTS, diff, strict=True):
+    for (name, _, _), a, asked in zip(UNITS, AMOUNTS, diff, strict=True):
         if asked > 0 and silo[a] + asked > MAX_TOTAL:
             return f"{name} total of silo {silo['name']} would pass its limit ({MAX_TOTAL})"
     return ""
@@ -287,12 +320,15 @@ def events(
                 None,
             )
         )
+    subject: dict[str, str] = {}
     for c, r in zip(charges, results, strict=True):
         if isinstance(r, Decided) and not r.told:
             d = c.delta
+            if (to := subject.get(c.silo)) is None:
+                to = subject[c.silo] = subjects.event(c.silo, "provision", "outcome")
             out.append(
                 (
-                    subjects.event(c.silo, "provision", "outcome"),
+                    to,
                     ProvisionOutcome(
                         instance_id=d.instance_id, generation=d.generation, outcome=r.outcome, reason=r.reason
                     ),

@@ -101,6 +101,12 @@ class App:
         process has been listening for the whole window. Likewise while it applies no inventory at all
         for a whole window: then the silence is its own (a burst of starts holding the connections and
         the cores the inventories wait for), or the whole rack's, and a start waits for the sleds' word
-        rather than fail on a silence it cannot tell from its own backlog."""
+        rather than fail on a silence it cannot tell from its own backlog. And only while no inventory
+        waits to be applied: one waiting may be the sled's word (under a burst, the inventories wait for
+        the rows the starts' placements hold)."""
         now, window = time.monotonic(), self.settings.unknown_after()
-        return now - self.listening_since >= window and now - self.inventory_applied_at < window
+        return (
+            now - self.listening_since >= window
+            and now - self.inventory_applied_at < window
+            and self.inventories_caught_up.is_set()
+        )

@@ -21,7 +21,7 @@ import asyncpg
 from services.instance_manager.base import SOURCE, Q
 from shared import bus, telemetry
 from shared.db import OutboxRelay, enqueue_many
-from shared.messages import InstanceState, InstanceView, Outcome, ProvisionDelta, ProvisionOutcome
+from shared.messages import InstanceState, InstanceView, Model, Outcome, ProvisionDelta, ProvisionOutcome
 from shared.topology import subjects
 
 log = logging.getLogger(__name__)
@@ -68,28 +68,31 @@ def delta(
     )
 
 
-async def queue(conn: asyncpg.Connection, charges: list[tuple[Account, ProvisionDelta]]) -> None:
+async def queue(
+    conn: asyncpg.Connection,
+    charges: list[tuple[Account, ProvisionDelta]],
+    *,
+    before: list[tuple[str, Model, str | None]] | None = None,
+) -> None:
     """The one way a delta is sent: the charges marked pending (a resend of one already answered adds
     nothing) and their deltas written to the outbox, in the caller's transaction, two statements however
-    many there are. The caller kicks the relay once it has committed (the saga engine after each step,
-    `Charging.charge`; a lifecycle change with its instance event)."""
+    many there are; `before`: the caller's other messages (its instance events), written ahead of the
+    deltas by the same statement. The caller kicks the relay once it has committed (the saga engine
+    after each step, `Charging.charge`; a lifecycle change with its instance event)."""
     if not charges:
         return
     await conn.execute(
         Q["charges_pending"], [d.instance_id for _, d in charges], [d.generation for _, d in charges]
     )
-    await enqueue_many(
-        conn,
-        [
-            (
-                subjects.provision_delta(a.silo, a.project, a.instance_id),
-                d,
-                f"delta:{a.instance_id}:{d.generation}",
-            )
-            for a, d in charges
-        ],
-        source=SOURCE,
-    )
+    deltas: list[tuple[str, Model, str | None]] = [
+        (subjects.provision_delta(a.silo, a.project, a.instance_id), d, _delta_key(d)) for a, d in charges
+    ]
+    await enqueue_many(conn, [*(before or []), *deltas], source=SOURCE)
+
+
+def _delta_key(d: ProvisionDelta) -> str:
+    """A delta's message id is made of this: a resend inside the broker's window is dropped."""
+    return f"delta:{d.instance_id}:{d.generation}"
 
 
 async def release(conn: asyncpg.Connection, released: list[tuple[InstanceView, int]]) -> None:
@@ -123,8 +126,9 @@ class Charging:
     up to CHARGE_RESEND_MAX."""
     _waiters: dict[Key, Waiter] = field(default_factory=dict)
 
-    async def charge(self, account: Account, d: ProvisionDelta) -> tuple[Outcome, str]:
-        """Send a charge to accounting and wait for its outcome. Idempotent: safe to call again."""
+    async def charge(self, account: Account, d: ProvisionDelta, *, sent: bool = False) -> tuple[Outcome, str]:
+        """Send a charge to accounting (unless the caller's committed transaction `sent` it already: then
+        only when its outcome is late) and wait for its outcome. Idempotent: safe to call again."""
         key = (d.instance_id, d.generation)
         waiter = self._waiters.setdefault(key, Waiter())
         wait = self.charge_timeout
@@ -132,9 +136,11 @@ class Charging:
             while True:
                 if (known := await self._outcome(key, waiter)) is not None:
                     return known
-                async with self.pool.acquire() as conn, conn.transaction():
-                    await queue(conn, [(account, d)])
-                self.relay.kick()  # committed now: the relay finds the row at once
+                if not sent:
+                    async with self.pool.acquire() as conn, conn.transaction():
+                        await queue(conn, [(account, d)])
+                    self.relay.kick()  # committed now: the relay finds the row at once
+                sent = False  # from now on, sent again each time the wait runs out
                 # Sent again only when the timer runs out: a wake that brings no outcome (a listener
                 # reconnecting wakes every waiter) only reads again.
                 deadline = time.monotonic() + wait

@@ -243,7 +243,7 @@ class Consumer:
 
     async def _apply(self, batch: list[Delivery]) -> None:
         """Hand `batch` to the handler; then ack, hand back or dead-letter each message, as it says."""
-        if self.alone:
+        if self.alone or len(batch) == 1:  # a batch of one is that message's processing
             one = batch[0]
             size = len(one.msg.data or b"")
             attributes = {MESSAGING_MESSAGE_ID: str(one.env.id), MESSAGING_MESSAGE_BODY_SIZE: size}

@@ -16,25 +16,34 @@ class GroupCommit(Generic[T, R]):
     whatever it carries (docs/benchmarks.md), so a burst of small orders costs about as much as one.
 
     `apply` takes the requests, in arrival order, and returns one result each. A batch that fails is
-    tried again one request at a time, so that a request that cannot be applied fails alone."""
+    tried again one request at a time, so that a request that cannot be applied fails alone. Up to
+    `at_once` batches are applied at a time (one fills while another commits)."""
 
-    def __init__(self, apply: Callable[[list[T]], Awaitable[list[R]]], *, most: int) -> None:
+    def __init__(
+        self, apply: Callable[[list[T]], Awaitable[list[R]]], *, most: int, at_once: int = 1
+    ) -> None:
         self.apply = apply
         self.most = most
+        self.at_once = at_once
         self._waiting: list[tuple[T, asyncio.Future[R]]] = []
-        self._worker: asyncio.Task[None] | None = None
+        self._workers: set[asyncio.Task[None]] = set()
 
     async def __call__(self, request: T) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._waiting.append((request, future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._drain())
+        if len(self._workers) < self.at_once:
+            worker = asyncio.create_task(self._drain())
+            self._workers.add(worker)
+            worker.add_done_callback(self._workers.discard)
         return await future
 
     async def _drain(self) -> None:
-        while self._waiting:
-            batch, self._waiting = self._waiting[: self.most], self._waiting[self.most :]
-            await self._settle(batch)
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting[: self.most], self._waiting[self.most :]
+                await self._settle(batch)
+        finally:  # gone from the count in the same step as its last look: a request after it starts another
+            self._workers.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     async def _settle(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
         try:

@@ -42,9 +42,11 @@ class LeaseLost(Exception):
 class StepFailed(Exception):
     """The step cannot succeed: the saga unwinds, and `reason` becomes its error."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, step: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.step = step
+        """The step that failed, when it is not the one at the saga's cursor (local steps run together)."""
 
 
 class Params(BaseModel):
@@ -75,6 +77,9 @@ class Context(Generic[ParamsT]):
     """The step's transaction, for local steps; None for remote ones."""
     error: str | None = None
     """While unwinding: why the saga failed."""
+    done_here: tuple[str, ...] = ()
+    """The steps done earlier in this same transaction (local steps that follow each other share one):
+    what they locked is still locked."""
 
     @property
     def tx(self) -> asyncpg.Connection:

@@ -5,8 +5,10 @@ step's output one too (`Output`), read back typed by the steps after it (`Contex
 Guarantees:
 - Progress is logged: a step's completion (and its outputs) is committed before the next step begins.
   A *local* step runs inside the very transaction that records its completion, so it happens exactly
-  once. A remote step (one that talks to another service) may run again after a crash, so it must be
-  idempotent; that is how its messages need no outbox: the saga log is one.
+  once; local steps that follow each other share that transaction (one fence, one record of their
+  progress, one commit), so a crash or a failure in any of them leaves none of them done. A remote step
+  (one that talks to another service) may run again after a crash, so it must be idempotent; that is
+  how its messages need no outbox: the saga log is one.
 - The first step runs inside the caller's transaction (`begin`): that is where an interlock goes, so a
   refused request creates no saga at all.
 - A step that raises `StepFailed` makes the saga unwind: every completed step's undo runs, newest first.
@@ -40,12 +42,12 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from services.instance_manager.sagas import pace as pacing
+from services.instance_manager.sagas import progress
 from services.instance_manager.sagas.definition import (
     Context,
     LeaseLost,
@@ -56,28 +58,23 @@ from services.instance_manager.sagas.definition import (
     StepFailed,
     stored,
 )
+from services.instance_manager.sagas.progress import LEASE, SQL, Move
+from services.instance_manager.sagas.together import Together
 from shared import metrics, telemetry
 from shared.crash import crash_point
-from shared.db import queries
 
 if TYPE_CHECKING:
     from services.instance_manager.app import App
 
 log = logging.getLogger(__name__)
-SQL = queries(Path(__file__).with_name("saga.sql"))
-LEASE = 10.0
-"""Seconds a saga's lease lasts unless renewed. Every RENEW seconds the process renews all of its leases
-in one statement, so a lease outlives three failed renewals in a row (a database restart of several
-seconds): a process that only lost its connection keeps its sagas. A process that died (kill -9, no
-release) holds its sagas up for at most LEASE plus the resume interval before another process resumes
-them; shorter would renew more often and lose leases to a busy database, longer would leave a crashed
-replica's sagas (an instance half started) waiting longer."""
 RENEW = 2.5
 """Seconds between two renewals of a process's leases."""
 AT_ONCE = 256
 """Sagas nobody waits for that run at once in one process. A start spends most of its time waiting (its
 charge goes through accounting and back), so sagas done a second is about AT_ONCE over one saga's time:
 64 held the restarts after a rack-wide power loss to 22 a second where fresh starts ran at 39."""
+BEGUN_KEPT = 4096
+"""Sagas begun here and not launched yet whose inserted rows are kept (Executor._begun)."""
 TRANSIENT = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
 """What a lost connection or a database restart raises: tried again, never a step's failure."""
 
@@ -110,6 +107,15 @@ class Executor:
     """How often it looks for unfinished sagas no process runs (RACKPLANE_SAGA_RESUME_INTERVAL)."""
     _promised: list[float] = field(default_factory=list)
     """When the callers told `busy` were told to come back (monotonic, sorted; past ones forgotten)."""
+    _together: Together = field(init=False)
+    _begun: dict[uuid.UUID, tuple[float, asyncpg.Record]] = field(default_factory=dict)
+    """Sagas `begin` recorded, as their insert left them, until launched: their lease is this process's
+    from the start, so the first launch neither takes it nor reads the saga back. Bounded: a saga whose
+    caller rolled back is never launched, and the oldest entries go (a launch that misses its entry
+    takes the lease and reads the saga, as a resume does)."""
+
+    def __post_init__(self) -> None:
+        self._together = Together(self)
 
     def register(self, saga: Saga) -> None:
         self.kinds[saga.kind] = saga
@@ -124,17 +130,23 @@ class Executor:
         typed = saga.parse(params)
         first = saga.steps[0]
         out = stored(await first.action(Context(saga_id, typed, {}, self.app, conn)))
-        await conn.execute(
-            SQL["insert"],
-            saga_id,
-            saga.kind,
-            stored(typed, sparse=True),
-            out,
-            telemetry.current_traceparent(),
-            first.name,
-            self.owner,
-            LEASE,
+        self._begun[saga_id] = (
+            time.monotonic(),
+            await conn.fetchrow(
+                SQL["insert"],
+                saga_id,
+                saga.kind,
+                stored(typed, sparse=True),
+                out,
+                telemetry.current_traceparent(),
+                [first.name],
+                self.owner,
+                LEASE,
+                1,
+            ),
         )
+        while len(self._begun) > BEGUN_KEPT:
+            del self._begun[next(iter(self._begun))]
         return saga_id
 
     def launch(self, saga_id: uuid.UUID, *, waited_for: bool = False) -> asyncio.Task[Status]:
@@ -232,9 +244,13 @@ class Executor:
 
     async def _take_and_drive(self, saga_id: uuid.UUID) -> Status:
         """Take the saga's lease and drive it: "busy" if another process holds the lease, "lost" if
-        another took it while this one ran (it goes on there), else the saga's final status."""
+        another took it while this one ran (it goes on there), else the saga's final status. A saga this
+        process began is driven from the row its insert returned, under the lease it was inserted with."""
         tries = 0
-        while True:
+        began, begun = self._begun.pop(saga_id, (0.0, None))
+        if time.monotonic() - began > LEASE / 2:  # launched late: its lease may have lapsed meanwhile
+            begun = None
+        while begun is None:
             try:
                 if await self.pool.fetchval(SQL["lease_take"], saga_id, self.owner, LEASE) is not None:
                     break
@@ -247,15 +263,15 @@ class Executor:
                 log.info("saga %s: cannot take its lease yet (%s)", saga_id, e)
             await asyncio.sleep(self.retry_delay)
         try:
-            return await self._drive(saga_id)
+            return await self._drive(saga_id, begun)
         except LeaseLost:
             log.warning("saga %s: its lease was taken by another process, which runs it now", saga_id)
             telemetry.count("saga.leases_lost")
             return Status.lost
 
-    async def _drive(self, saga_id: uuid.UUID) -> Status:
+    async def _drive(self, saga_id: uuid.UUID, row: asyncpg.Record | None = None) -> Status:
         attempt = 0
-        row: asyncpg.Record | None = None  # as a step's commit left it; read afresh after anything else
+        # `row`: the saga as a step's commit (or its insert) left it; read afresh after anything else.
         while True:
             if row is None:
                 try:
@@ -292,7 +308,7 @@ class Executor:
             except StepFailed as e:
                 failed, row = row, None
                 try:
-                    await self._start_unwinding(failed, step, e.reason)
+                    await self._start_unwinding(failed, e.step or step.name, e.reason)
                 except LeaseLost:
                     raise
                 except Exception as x:  # not recorded: the step runs again, and fails again
@@ -313,20 +329,16 @@ class Executor:
         return await self.pool.fetchrow(SQL["load"], saga_id)
 
     async def _forward(self, saga: Saga, row: asyncpg.Record, step: Step) -> asyncpg.Record:
-        """Do a step and record it done, in one transaction if it is local; the saga as it now is."""
-        data = dict(row["data"])
-        status = Status.done if row["cursor"] + 1 >= len(saga.steps) else Status.running
-        params = saga.parse(row["params"])
+        """Do a step and record it done; the saga as it now is. A local step runs in the transaction that
+        records it, with the local steps right after it, and other sagas' (together.py)."""
         if step.local:
-            async with self.pool.acquire() as conn, conn.transaction():
-                await self._fence(conn, row)
-                out = stored(await step.action(Context(row["id"], params, data, self.app, conn)))
-                advanced = await self._advance(conn, row, step, {**data, **out}, status, +1)
-            self.app.relay.kick()  # what the step wrote to the outbox goes now, not at the relay's next look
-            return advanced
+            return await self._together.run(saga, row)
+        data = dict(row["data"])
+        params = saga.parse(row["params"])
         out = stored(await step.action(Context(row["id"], params, data, self.app, None)))
         crash_point(f"saga:{saga.kind}/after:{step.name}")  # done, and not yet recorded as done
-        return await self._advance(self.pool, row, step, {**data, **out}, status, +1)
+        status = Status.done if row["cursor"] + 1 >= len(saga.steps) else Status.running
+        return await self._advance(self.pool, (row, [step.name], {**data, **out}, status, +1))
 
     async def _backward(self, saga: Saga, row: asyncpg.Record, step: Step) -> asyncpg.Record:
         data = dict(row["data"])
@@ -340,51 +352,22 @@ class Executor:
             if step.undo is not None and step.undo_local:
                 ctx.conn = conn
                 await step.undo(ctx)
-            undone = await self._advance(conn, row, step, data, status, -1, event="undone")
+            undone = await self._advance(conn, (row, [step.name], data, status, -1), event="undone")
         self.app.relay.kick()
         return undone
 
     async def _advance(
-        self,
-        conn: asyncpg.Connection | asyncpg.Pool,
-        row: asyncpg.Record,
-        step: Step,
-        data: dict[str, Any],
-        status: Status,
-        move: int,
-        event: str = "done",
+        self, conn: asyncpg.Connection | asyncpg.Pool, move: Move, event: str = "done"
     ) -> asyncpg.Record:
-        """Move the saga on (or back) by one step and log it, in one statement; the saga as it now is."""
-        moved = await conn.fetchrow(
-            SQL["advance"],
-            row["id"],
-            data,
-            status.value,
-            move,
-            row["cursor"],
-            row["status"],
-            step.name,
-            event,
-            self.owner,
-            LEASE,
-        )
-        if moved is None:
-            await self._fence(conn, row)  # the lease is another's: LeaseLost
-            raise RuntimeError(f"saga {row['id']} moved under us")
-        return moved
+        return (await progress.advance(conn, self.owner, [move], event))[move[0]["id"]]
 
     async def _fence(self, conn: asyncpg.Connection | asyncpg.Pool, row: asyncpg.Record) -> None:
-        """Lock the saga row while this process holds its lease (LeaseLost if not): the first statement
-        of a step's transaction, so that the step commits only under the lease, and nobody takes the
-        lease before it has."""
-        if await conn.fetchval(SQL["lease_fence"], row["id"], self.owner) is None:
+        if not await progress.fence(conn, self.owner, [row]):
             raise LeaseLost(row["id"])
 
-    async def _start_unwinding(self, row: asyncpg.Record, step: Step, reason: str) -> None:
-        log.info("saga %s %s: step %s failed: %s; unwinding", row["kind"], row["id"], step.name, reason)
-        moved = await self.pool.fetchval(
-            SQL["unwind"], row["id"], reason, row["cursor"], self.owner, step.name
-        )
+    async def _start_unwinding(self, row: asyncpg.Record, step: str, reason: str) -> None:
+        log.info("saga %s %s: step %s failed: %s; unwinding", row["kind"], row["id"], step, reason)
+        moved = await self.pool.fetchval(SQL["unwind"], row["id"], reason, row["cursor"], self.owner, step)
         if moved is None:
             await self._fence(self.pool, row)  # the lease is another's: LeaseLost
             raise RuntimeError(f"saga {row['id']} moved under us")

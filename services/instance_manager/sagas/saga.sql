@@ -1,12 +1,18 @@
 -- name: insert
--- A saga whose first step is done, with that step's event ($6), in one statement. Its lease is its
--- creator's ($7, for $8 seconds), so that no other process resumes it before its creator launches it.
+-- A saga whose first steps are done ($6: their names, in order; logged as done), in one statement; returns
+-- the saga as it now is. Its lease is its creator's ($7, for $8 seconds), so that no other process
+-- resumes it before its creator launches it; $9: the cursor (how many steps are done).
 WITH saga AS (
     INSERT INTO sagas (id, kind, params, data, status, cursor, trace, lease_owner, lease_until)
-    VALUES ($1, $2, $3, $4, 'running', 1, $5, $7, now() + make_interval(secs => $8))
-    RETURNING id
+    VALUES ($1, $2, $3, $4, 'running', $9, $5, $7, now() + make_interval(secs => $8))
+    RETURNING id, kind, params, data, status, cursor, trace, error
+), logged AS (
+    INSERT INTO saga_events (saga_id, step, event, detail, owner)
+    SELECT saga.id, done.step, 'done', NULL, $7
+    FROM saga, unnest($6::text[]) WITH ORDINALITY AS done (step, n)
+    ORDER BY done.n
 )
-INSERT INTO saga_events (saga_id, step, event, detail, owner) SELECT id, $6, 'done', NULL, $7 FROM saga;
+SELECT * FROM saga;
 
 -- name: unfinished
 -- Unfinished sagas no live process runs: the lease is free, expired, or this process's own ($1).
@@ -50,26 +56,34 @@ UPDATE sagas SET lease_owner = NULL, lease_until = NULL
 WHERE lease_owner = $1 AND status IN ('running', 'unwinding');
 
 -- name: lease_fence
--- The first statement of a step's transaction: the saga row, locked, only while process $2 holds the
--- lease. Nobody can take the lease until this transaction ends, and a process that lost it commits
--- nothing (no row: the step's transaction is rolled back).
-SELECT id FROM sagas WHERE id = $1 AND lease_owner = $2 FOR NO KEY UPDATE;
+-- The first statement of a step's transaction: the rows of sagas $1, locked, those process $2 holds the
+-- lease of (returned). Nobody can take their leases until this transaction ends, and a process that
+-- lost a lease commits nothing of that saga (not returned: its steps are left out, or rolled back).
+SELECT id FROM sagas WHERE id = ANY($1::uuid[]) AND lease_owner = $2 ORDER BY id FOR NO KEY UPDATE;
 
 -- name: load
 SELECT id, kind, params, data, status, cursor, trace, error FROM sagas WHERE id = $1;
 
 -- name: advance
--- Compare-and-set on (cursor, status), fenced by the lease ($9: this process): a saga only moves from
--- where its runner saw it, and only by the process holding its lease, which it renews ($10 seconds). The
--- step's event ($7, $8) is logged in the same statement, with its owner; returns the saga as it now is
--- (none: it had moved, or the lease is another's).
+-- Compare-and-set on (cursor, status), for sagas $1 at once (each with its new data $2, status $3, and
+-- the move of its cursor $4, from the cursor $5 and status $6 its runner saw), fenced by the lease ($9:
+-- this process): a saga only moves from where its runner saw it, and only by the process holding its
+-- lease, which it renews ($10 seconds). The steps' events ($7: the saga of each, $8: its step, in order;
+-- event $11) are logged in the same statement, with their owner; returns the sagas as they now are
+-- (one missing: it had moved, or the lease is another's).
 WITH moved AS (
-    UPDATE sagas SET data = $2, status = $3, cursor = cursor + $4, updated_at = now(),
-                     lease_until = now() + make_interval(secs => $10)
-    WHERE id = $1 AND cursor = $5 AND status = $6 AND lease_owner = $9
-    RETURNING id, kind, params, data, status, cursor, trace, error
+    UPDATE sagas s SET data = u.data, status = u.status, cursor = s.cursor + u.move, updated_at = now(),
+                       lease_until = now() + make_interval(secs => $10)
+    FROM unnest($1::uuid[], $2::jsonb[], $3::text[], $4::int[], $5::int[], $6::text[])
+         AS u (id, data, status, move, seen_cursor, seen_status)
+    WHERE s.id = u.id AND s.cursor = u.seen_cursor AND s.status = u.seen_status AND s.lease_owner = $9
+    RETURNING s.id, s.kind, s.params, s.data, s.status, s.cursor, s.trace, s.error
 ), logged AS (
-    INSERT INTO saga_events (saga_id, step, event, detail, owner) SELECT id, $7, $8, NULL, $9 FROM moved
+    INSERT INTO saga_events (saga_id, step, event, detail, owner)
+    SELECT e.saga_id, e.step, $11, NULL, $9
+    FROM unnest($7::uuid[], $8::text[]) WITH ORDINALITY AS e (saga_id, step, n)
+    WHERE e.saga_id IN (SELECT id FROM moved)
+    ORDER BY e.n
 )
 SELECT * FROM moved;
 

@@ -1,7 +1,9 @@
 """The instance start saga.
 
-    interlock       pass the "one start at a time" compare-and-set    undo: give the instance back
-    charge          charge vCPUs and RAM through accounting (quota)   undo: release the charge
+    interlock       pass the "one start at a time" compare-and-set,   undo: give the instance back
+                    and send the charge (in the same transaction)
+    charge          await accounting's outcome for the charge        undo: release the charge
+                    (vCPUs and RAM, against the quota)
     place           reserve room on an active sled that answers       undo: release the reservation
     create_vmm      look at the sled again; record the VMM on it      undo: end the VMM record, and
                                                                             have the sled destroy it
@@ -33,7 +35,7 @@ from services.instance_manager.sagas import common
 from services.instance_manager.sagas.common import InstanceParams, Placed, Reserved
 from services.instance_manager.sagas.definition import Context, Saga, Step, StepFailed
 from shared import bus
-from shared.messages import Outcome, VmmState
+from shared.messages import Outcome, ProvisionDelta, VmmState
 
 
 class AlreadyRunning(Exception):
@@ -72,10 +74,28 @@ class Interlocked(Reserved):
     silo_id: uuid.UUID
     project_id: uuid.UUID
     disk_bytes: int
+    charge_sent: bool = False
+    """Whether the interlock's transaction sent the charge (a saga begun by an older version did not:
+    its charge step sends it)."""
+
+    def account(self, instance_id: uuid.UUID) -> charging.Account:
+        return charging.Account(instance_id, self.project_id, self.silo_id, self.silo, self.project)
+
+    def charge(self, instance_id: uuid.UUID) -> ProvisionDelta:
+        """The charge of the instance once it runs: its vCPUs, RAM and disk, as of the interlock's
+        generation."""
+        return charging.delta(
+            self.account(instance_id),
+            self.generation,
+            vcpus=self.vcpus,
+            ram_bytes=self.ram_bytes,
+            disk_bytes=self.disk_bytes,
+        )
 
 
 async def interlock(ctx: Context[StartParams]) -> Interlocked:
-    """Pass the interlock (queries.sql start_interlock), or say why not. An automatic restart is an
+    """Pass the interlock (queries.sql start_interlock), or say why not; once passed, send the charge in
+    the same transaction (the charge step awaits its outcome). An automatic restart is an
     order: refused as `stale` unless, under the row lock and by this service's clock, the instance is
     failed at the generation it names, best_effort, meant to run and due (next_restart_at). A pool
     keeper's start is refused once its VM is no longer meant to run (retired)."""
@@ -97,8 +117,8 @@ async def interlock(ctx: Context[StartParams]) -> Interlocked:
         if by is Starter.pool and current["intended_state"] != "running":
             raise bus.Conflict("pool VM is retired: its pool no longer means it to run")
         raise bus.Conflict(f"instance is {state}; it can be started once it is stopped")
-    v = await views.instance_changed(ctx.app, ctx.tx, p.instance_id)
-    return Interlocked(
+    v = await views.view(ctx.tx, p.instance_id, ctx.app.settings)
+    won = Interlocked(
         vmm_id=vmm_id,
         generation=won["generation"],
         silo=v.silo,
@@ -108,7 +128,11 @@ async def interlock(ctx: Context[StartParams]) -> Interlocked:
         vcpus=won["vcpus"],
         ram_bytes=won["ram_bytes"],
         disk_bytes=won["disk_bytes"],
+        charge_sent=True,
     )
+    events = views.instance_events(v, v1=ctx.app.send_v1)  # the change, then the charge: one statement
+    await charging.queue(ctx.tx, [(won.account(p.instance_id), won.charge(p.instance_id))], before=events)
+    return won
 
 
 def _not_restartable(current: asyncpg.Record | None, expected: int | None) -> str:
@@ -143,12 +167,10 @@ async def interlock_undo(ctx: Context[StartParams]) -> None:
 
 
 async def charge(ctx: Context[StartParams]) -> None:
-    i = ctx.get(Interlocked)
-    account = charging.Account(ctx.params.instance_id, i.project_id, i.silo_id, i.silo, i.project)
-    delta = charging.delta(
-        account, i.generation, vcpus=i.vcpus, ram_bytes=i.ram_bytes, disk_bytes=i.disk_bytes
+    i, instance_id = ctx.get(Interlocked), ctx.params.instance_id
+    outcome, reason = await ctx.app.charging.charge(
+        i.account(instance_id), i.charge(instance_id), sent=i.charge_sent
     )
-    outcome, reason = await ctx.app.charging.charge(account, delta)
     if outcome is Outcome.refused:
         raise StepFailed(reason)
     if outcome is Outcome.stale:

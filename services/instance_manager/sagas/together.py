@@ -1,0 +1,107 @@
+"""Group commit of saga steps: the local steps due of many sagas, in one transaction. Each saga's due
+steps are the local step at its cursor and every local step right after it (a start's `place` and
+`create_vmm`). Sagas whose steps fall due while a group commits wait, and go together in the next one
+(shared.db.GroupCommit): one fence for all of them (their rows locked while this process holds their
+leases), their instances locked in id order (one lock order: instances before the sleds a placement
+reserves, as every other path takes them), each saga's steps in turn, one statement recording every step
+done, one commit. A start's place and create_vmm are four statements of their own and four of
+bookkeeping (begin, fence, record, commit); the sagas of a group share the four. Local steps only: a
+step that talks to another service (a sled asked) never holds a group's locks while it waits.
+
+A group is all or nothing, and a saga's failure stays its own: a step that raises (StepFailed, a lost
+lease or connection, anything) rolls the group back, and each of its sagas runs again alone, where what
+it raises is its own outcome, as if it had never been grouped. Steps of one saga never run in two groups
+at once: a saga has one runner, which waits for its group."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import asyncpg
+
+from services.instance_manager.base import Q
+from services.instance_manager.sagas import progress
+from services.instance_manager.sagas.definition import (
+    Context,
+    LeaseLost,
+    Params,
+    Saga,
+    Status,
+    StepFailed,
+    stored,
+)
+from services.instance_manager.sagas.progress import Move
+from shared import telemetry
+from shared.crash import crash_point
+from shared.db import GroupCommit
+
+if TYPE_CHECKING:
+    from services.instance_manager.sagas.engine import Executor
+
+MOST = 8
+"""Sagas in one group at most: their transaction holds the rows they lock (a start's sled reservation,
+which an inventory being applied waits for) until the last of them is done."""
+AT_ONCE = 2
+"""Groups committing at once in a process: one fills while another commits."""
+
+Due = tuple[Saga, asyncpg.Record]
+"""A saga whose local steps are due, as its runner saw it."""
+
+
+@dataclass
+class Together:
+    """The local steps of this process's sagas, committed in groups."""
+
+    executor: Executor
+    _groups: GroupCommit[Due, asyncpg.Record] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._groups = GroupCommit(self._commit, most=MOST, at_once=AT_ONCE)
+
+    async def run(self, saga: Saga, row: asyncpg.Record) -> asyncpg.Record:
+        """Do the saga's due local steps and record them done, with other sagas' in the same transaction;
+        the saga as it now is. Raises what its own steps raise."""
+        return await self._groups((saga, row))
+
+    async def _commit(self, group: list[Due]) -> list[asyncpg.Record]:
+        x = self.executor
+        async with x.pool.acquire() as conn, conn.transaction():
+            fenced = await progress.fence(conn, x.owner, [row for _, row in group])
+            for _, row in group:
+                if row["id"] not in fenced:
+                    raise LeaseLost(row["id"])
+            sagas = [(saga, row, saga.parse(row["params"])) for saga, row in group]
+            instances = {
+                i for _, _, p in sagas if isinstance(i := getattr(p, "instance_id", None), uuid.UUID)
+            }
+            if instances:
+                await conn.execute(Q["instances_lock"], sorted(instances, key=lambda i: i.int))
+            moves = [await self._steps(conn, saga, row, params) for saga, row, params in sagas]
+            moved = await progress.advance(conn, x.owner, moves)
+        x.app.relay.kick()  # what the steps wrote to the outbox goes now, not at the relay's next look
+        if len(group) > 1:
+            telemetry.count("saga.steps_grouped", len(group))
+        return [moved[row["id"]] for _, row in group]
+
+    async def _steps(self, conn: asyncpg.Connection, saga: Saga, row: asyncpg.Record, params: Params) -> Move:
+        """The saga's due local steps, on the group's connection, in the saga's own trace; a step that
+        fails names itself."""
+        data, cursor, done = dict(row["data"]), row["cursor"], []
+        with telemetry.span(f"saga {saga.kind} steps", row["trace"], **{"saga.id": str(row["id"])}):
+            while cursor < len(saga.steps) and saga.steps[cursor].local:
+                step = saga.steps[cursor]
+                if done:
+                    crash_point(f"saga:{saga.kind}/{step.name}")
+                try:
+                    ctx = Context(row["id"], params, data, self.executor.app, conn, done_here=tuple(done))
+                    out = stored(await step.action(ctx))
+                except StepFailed as e:
+                    e.step = e.step or step.name
+                    raise
+                data = {**data, **out}
+                done.append(step.name)
+                cursor += 1
+        status = Status.done if cursor >= len(saga.steps) else Status.running
+        return (row, done, data, status, len(done))
