@@ -15,7 +15,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rackctl.client import Client
-from services.sled_agent.persistence import read_state
 from shared.messages import AutoRestart
 from tests.conftest import (
     GiB,
@@ -56,7 +55,7 @@ async def test_a_sled_that_shrinks_below_its_reservation_is_recorded_and_its_reb
         await asyncio.sleep(0.5)  # its last changes on disk
         stack.services["sled_agent"].stop()
         path = stack.dir / "sim" / "sled-0.json"
-        state = read_state(path)
+        state = json.loads(path.read_text())
         path.write_text(json.dumps({**state, "vcpus": 1, "ram_bytes": 2 * GiB}))
         stack.start_service("sled_agent")
         restarted = datetime.now(UTC)

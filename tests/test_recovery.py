@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from rackctl.client import Client
-from services.sled_agent.persistence import read_state
 from shared.bus import CommandError
 from shared.messages import AutoRestart, ServiceFaults, SimFaults
 from shared.topology import subjects
@@ -322,7 +322,9 @@ async def test_a_simulator_restart_right_after_a_rack_reboot_keeps_the_new_boots
     await client.sim_rack_reboot()
     rebooted = {s["sled_id"]: (s["boot_number"], s["boot_id"]) for s in await client.sim_sled("list")}
     assert {n for n, _ in rebooted.values()} == {2}
-    on_disk = {p.stem: read_state(p)["boot_number"] for p in (stack.dir / "sim").glob("sled-*.json")}
+    on_disk = {
+        p.stem: json.loads(p.read_text())["boot_number"] for p in (stack.dir / "sim").glob("sled-*.json")
+    }
     assert on_disk == dict.fromkeys(rebooted, 1), "the sleds' own files wait for their next change"
 
     stack.services["sled_agent"].kill()

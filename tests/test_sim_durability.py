@@ -1,38 +1,30 @@
-"""The simulator's acknowledged commands survive its crash, a batch of them written before any is acked,
-and a migration's hand-over leaves the guest on exactly one sled whatever the crash point; a sled's file
-is its newest whole state, within its bound; and a sled can be made to report less capacity (and back).
+"""The simulator's acknowledged commands survive its crash, and a migration's hand-over leaves the guest on
+exactly one sled whatever the crash point; and a sled can be made to report less capacity (and back).
 
 The crash points `sled-agent:write:<name>` kill the simulator just before the write of its state file
 that carries a named change: a command (`vmm.ensure`, `vmm.stop`, `vmm.migrate`), or one of the hand-over's
-two writes (`handover-target`, then `handover-source`); `after-commit:<sled's durable>` kills it after a
-batch of commands was applied and written, before their acks."""
+two writes (`handover-target`, then `handover-source`)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.aio.client import Client as NATS
 
 from deploy.stack import Stack
 from rackctl.client import Client
 from rackctl.sizes import format_size
-from services.sled_agent.persistence import JOURNAL_BYTES, JOURNAL_WRITES, read_state
-from services.sled_agent.sled import SimVmm, Sled, Timing
-from shared import bus, topology
 from shared.bus import CommandError
-from shared.messages import VmmEnsure
 from shared.messages.simulator import SimSledCapacity
 from shared.topology import subjects
 from tests.conftest import (
     GiB,
     Rack,
     assert_invariants,
-    connect_as,
     eventually,
     private_rack,
     restart_service,
@@ -89,7 +81,7 @@ def live_vmms(stack: Stack, instance_id: str) -> list[tuple[str, str]]:
     """(sled, state) of every VMM of the instance that a sled's state file holds."""
     found = []
     for path in sorted((stack.dir / "sim").glob("sled-*.json")):
-        state = read_state(path)
+        state = json.loads(path.read_text())
         found += [(path.stem, v["state"]) for v in state["vmms"] if v["instance_id"] == instance_id]
     return found
 
@@ -177,7 +169,9 @@ async def test_a_crash_mid_hand_over_leaves_the_guest_on_exactly_one_sled(rack: 
             vmms = live_vmms(stack, before["id"])
             raise AssertionError(f"not on exactly one sled: (sled, state) {vmms}") from None
         listed = {s["sled_id"]: s["vmms"] for s in await client.sim_sled("list")}
-        on_disk = {p.stem: len(read_state(p)["vmms"]) for p in (stack.dir / "sim").glob("sled-*.json")}
+        on_disk = {
+            p.stem: len(json.loads(p.read_text())["vmms"]) for p in (stack.dir / "sim").glob("sled-*.json")
+        }
         assert listed == on_disk, "the running simulator holds what its files say"
         if point == "handover-source":
             assert found[0][0] != before["sled_id"], (
@@ -233,81 +227,3 @@ async def test_a_sled_reports_the_capacity_it_is_given_and_then_its_own_again(ra
     assert r.out == f"sled-1 reports {made['vcpus']} vCPUs, {ram} RAM\n", r
     r = await rackctl(stack, "sim", "sled", "capacity", "sled-1", "--cpus", "0")
     assert r.code == 2 and "--cpus must be at least 1" in r.err, r
-
-
-async def test_a_batch_of_commands_is_on_disk_before_any_of_them_is_acked(rack: Rack) -> None:
-    """Commands that waited for the simulator come in one fetch: the restarted simulator applies them all,
-    writes them once and dies before the acks. Every command's VMM is in the sled's file (written and acked
-    a command at a time, the file would hold the first alone), and the commands, none acked, come again to
-    the simulator restarted once more, which finds each done already."""
-    stack, client, _ = rack
-    stack.services["sled_agent"].stop()
-    ensures = [
-        VmmEnsure(vmm_id=uuid.uuid4(), instance_id=uuid.uuid4(), vcpus=1, ram_bytes=GiB) for _ in range(4)
-    ]
-    im = await connect_as(stack, "instance-manager")  # the only identity that may command a sled
-    try:
-        for ensure in ensures:
-            subject = subjects.sled_command("sled-0", "vmm.ensure")
-            await bus.publish(im.jetstream(), subject, ensure, source="test")
-    finally:
-        await im.close()
-    durable = topology.sled("sled-0").name
-    stack.env["RACKPLANE_CRASH_AT"] = f"after-commit:{durable}"
-    stack.start_service("sled_agent")
-    await crashed(stack)
-
-    def on_disk() -> set[str]:
-        return {v["vmm_id"] for v in read_state(stack.dir / "sim" / "sled-0.json")["vmms"]}
-
-    sent = {str(e.vmm_id) for e in ensures}
-    assert sent <= on_disk(), f"written before the acks: {sent & on_disk()} of {sent}"
-
-    await restart_simulator(stack)
-
-    async def done_again() -> bool:
-        counters = (await client.stats("sled-agent"))["counters"]
-        return counters.get("sled.ensure_repeated", 0) >= len(ensures)
-
-    await eventually(done_again, timeout=15)  # redelivered after the ack wait (2 s), each a no-op
-
-    async def destroyed() -> bool:  # zombies to recovery, which has them destroyed: the rack as it was
-        return not sent & on_disk()
-
-    await eventually(destroyed, timeout=30)
-
-
-def test_a_sleds_file_is_its_newest_whole_state_after_a_torn_append(tmp_path: Path) -> None:
-    """A write appends the whole state as a line, and every JOURNAL_WRITES writes one replaces the file.
-    A process killed in the middle of an append leaves a torn line, whose command was never acked: the
-    sled loads from the line before it, and its first write replaces the file, torn line and all."""
-    sled = Sled("sled-0", 8, 16 * GiB, NATS(), Timing(), tmp_path)
-    path = tmp_path / "sled-0.json"
-    for n in range(JOURNAL_WRITES * 2 + 3):
-        sled.vmms = {(v := SimVmm(uuid.uuid4(), uuid.uuid4(), 1, GiB)).vmm_id: v}
-        sled._save(now=True)
-        assert read_state(path)["vmms"][0]["vmm_id"] == str(v.vmm_id)
-        assert len(path.read_bytes().splitlines()) == n % (JOURNAL_WRITES + 1) + 1
-    newest = read_state(path)
-    with path.open("ab") as f:
-        f.write(path.read_bytes().splitlines()[0][:100])  # torn: no whole state
-    assert read_state(path) == newest
-
-    again = Sled.load(path, NATS(), Timing())
-    assert [str(v) for v in again.vmms] == [v["vmm_id"] for v in newest["vmms"]]
-    again._save(now=True)
-    assert len(path.read_bytes().splitlines()) == 1 and read_state(path)["vmms"] == newest["vmms"]
-
-
-def test_a_sleds_file_grows_by_appending_to_no_more_than_its_bound(tmp_path: Path) -> None:
-    """A state past half of JOURNAL_BYTES (thousands of ended VMMs remembered) replaces the file at each
-    write: the file never holds two of them."""
-    sled = Sled("sled-0", 8, 16 * GiB, NATS(), Timing(), tmp_path)
-    for _ in range(JOURNAL_BYTES // 2 // 38 + 1):  # an ended VMM's id takes 38 bytes of the line
-        sled._forget(uuid.uuid4())
-    path = tmp_path / "sled-0.json"
-    for _ in range(3):
-        sled._save(now=True)
-        assert len(path.read_bytes().splitlines()) == 1
-        assert len(path.read_bytes()) > JOURNAL_BYTES // 2
-        assert len(read_state(path)["ended"]) == len(sled.ended)

@@ -16,6 +16,7 @@ from services.sled_agent.sled import SOURCE, Sled, Timing, rack_boots, read_rack
 from shared import bus, topology
 from shared.config import Settings
 from shared.messages import (
+    Envelope,
     SimFaults,
     SimRackReboot,
     SimSledAdd,
@@ -111,51 +112,41 @@ class Simulator:
 
 
 async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
-    """The sled's orders, a fetch at a time. An idle sled waits `idle_wait` (its inventory interval) for
-    one before asking again: thousands of sleds asking every second would load the broker more than all
-    their inventories do, and after a broker restart a sled is no later to take its orders than to report.
+    """The sled's orders. An idle sled waits `idle_wait` (its inventory interval) for one before asking
+    again: thousands of sleds asking every second would load the broker more than all their inventories
+    do, and after a broker restart a sled is no later to take its orders than to report.
 
-    What a fetch brings is one batch: each command applied in order, then one write of the sled's state
-    for them all (`persist`), and only then their acks (after `handle` returns). So what every command of
-    a batch did is on disk before any of them is acknowledged: a crash after the acks loses nothing, and
-    one before them has the whole batch redelivered, which changes nothing it already did (every command
-    is idempotent by VMM id). A command that fails has its batch split by the consumer until it is alone,
-    to be retried and then dead-lettered with the reason; the others are applied and acked."""
+    A command is acknowledged (when `handle` returns) only once its effect is on the sled's disk: a crash
+    after the ack loses nothing, and one before it has the command redelivered, which changes nothing
+    it already did (every command is idempotent by VMM id)."""
 
-    async def handle(batch: list[bus.Delivery]) -> None:
-        for d in batch:
-            if not sled.reachable:
-                d.refused = bus.Retry("sled is frozen or cut off", delay=1.0)
-                continue
-            sled.naming = topology.sled_verb(schema_of(d.body)[0])  # crash point sled-agent:write:vmm.stop...
-            try:
-                await apply(sled, d.body)
-            finally:
-                sled.naming = None
+    async def handle(env: Envelope, body: Any, msg: Msg) -> None:
+        if not sled.reachable:
+            raise bus.Retry("sled is frozen or cut off", delay=1.0)
+        sled.naming = topology.sled_verb(schema_of(body)[0])  # crash point sled-agent:write:vmm.stop...
+        try:
+            if isinstance(body, VmmEnsure):
+                await sled.ensure(body)
+            elif isinstance(body, VmmStop):
+                await sled.stop(body)
+            elif isinstance(body, VmmMigrate):
+                await sled.migrate(body)
+            elif isinstance(body, VmmDestroy):
+                await sled.destroy(body)
+        finally:
+            sled.naming = None
         sled.persist()
 
     await bus.Consumer(
         sled.js,
         service=SOURCE,
         **topology.sled(sled.sled_id).binding,  # never gives up: a frozen sled holds its commands back
-        batch_handler=handle,
+        handler=handle,
         expect=(VmmEnsure, VmmStop, VmmMigrate, VmmDestroy),
         verify=lambda subject, body: topology.command_error(subject, schema_of(body)[0]),
         idle_wait=idle_wait,
         ack_wait=ack_wait,
     ).run()
-
-
-async def apply(sled: Sled, body: Any) -> None:
-    """One command, in memory: its write is its batch's."""
-    if isinstance(body, VmmEnsure):
-        await sled.ensure(body)
-    elif isinstance(body, VmmStop):
-        await sled.stop(body)
-    elif isinstance(body, VmmMigrate):
-        await sled.migrate(body)
-    elif isinstance(body, VmmDestroy):
-        await sled.destroy(body)
 
 
 async def announce(sled: Sled) -> None:

@@ -1,21 +1,19 @@
 """A sled's state across simulator restarts.
 
 A sled keeps its state (boot number and id, VMMs) in a small file, so that a restart of the simulator
-process is not a reboot of its sleds: same boot, same VMMs. Each write appends the whole state as a line
-and every few writes one replaces the file (`_write`); loading takes the last whole line (`read_state`).
-The boot number only grows, by one at each reboot, and every report and inventory carries it with a
-sequence number within the boot, so that a receiver can tell an old message (a redelivery from before a
-reboot) from a new one; the boot id alone could only say "different". The sled also keeps its boot
-history, the hardware's own record of when each boot began, which the invariant checker holds the control
-plane's failures against. Changes are written in batches (one write covers every change of the last few
-milliseconds, as a database's group commit does), and a report leaves only once the state it reports is on
-disk: a sled never reports what a restart would make it forget. A command is acknowledged only once its
-effect is on disk too (`persist`, once for every command a fetch brought, before their acks: a crash after
-the acks loses nothing, one before them has the commands redelivered, and every command is idempotent by
-VMM id). A reboot is something else: a new boot, and every VMM gone, without a word about them (a real
-sled does not report what it lost). A rack-wide reboot writes every sled's new boot in one file
-(`rack_boots`), not 5,000: each sled's own file catches up with its next change, and loading takes the
-newer boot of the two.
+process is not a reboot of its sleds: same boot, same VMMs. The boot number only grows, by one at each
+reboot, and every report and inventory carries it with a sequence number within the boot, so that a
+receiver can tell an old message (a redelivery from before a reboot) from a new one; the boot id alone
+could only say "different". The sled also keeps its boot history, the hardware's own record of when each
+boot began, which the invariant checker holds the control plane's failures against. Changes are written
+in batches (one write covers every change of the last few milliseconds, as a database's group commit
+does), and a report leaves only once the state it reports is on disk: a sled never reports what a restart
+would make it forget. A command is acknowledged only once its effect is on disk too (`persist`, before
+the ack: a crash after the ack loses nothing, one before it has the command redelivered, and every
+command is idempotent by VMM id). A reboot is something else: a new boot, and every VMM gone, without a
+word about them (a real sled does not report what it lost). A rack-wide reboot writes every sled's new
+boot in one file (`rack_boots`), not 5,000: each sled's own file catches up with its next change, and
+loading takes the newer boot of the two.
 
 """
 
@@ -40,12 +38,6 @@ if TYPE_CHECKING:
 
 SAVE_BATCH = 0.02
 """Seconds a state change waits for others to share its write."""
-JOURNAL_WRITES = 16
-"""States appended to a sled's file after the write that replaced it, before a write replaces it again:
-the file holds at most one more than this, each whole, the last whole one the newest (`read_state`)."""
-JOURNAL_BYTES = 256 * 1024
-"""The size a sled's file grows to by appending, at most: a write that would pass it replaces the file (a
-sled that remembers thousands of ended VMMs writes states this large, each replacing the last)."""
 REMEMBERED_BOOTS = 100
 RACK_BOOTS = "rack-boots.json"
 """The new boot of every sled of the last rack-wide reboot, beside the sleds' own files."""
@@ -64,7 +56,7 @@ class Persistence:
     seq: int
     seq_reserved: int
     vmms: dict[uuid.UUID, SimVmm]
-    ended: dict[uuid.UUID, str]
+    ended: dict[uuid.UUID, None]
     capacity_vcpus: int | None
     capacity_ram_bytes: int | None
     naming: str | None
@@ -73,9 +65,6 @@ class Persistence:
     _on_disk: asyncio.Event
     _named: set[str]
     _writer: asyncio.Task[None] | None
-    _appended: tuple[int, int] | None
-    """States appended to the sled's file since a write replaced it, and the file's size; None: the next
-    write replaces it."""
     _report: Callable[[SimVmm], None]
     _spawn: Callable[[Any], None]
     _transition: Callable[..., None]
@@ -102,8 +91,8 @@ class Persistence:
             self._write()
 
     def persist(self) -> None:
-        """Write every change so far now, if any is not on disk yet: what a batch of commands did, before
-        their acks. At once, not after `SAVE_BATCH`: the batch of commands is the group already."""
+        """Write every change so far now, if any is not on disk yet: what a command did, before its ack.
+        Not batched: the sled takes one command at a time, so a batch would only delay the ack."""
         if self.state_dir is not None and self._saved < self._changes:
             self._write()
 
@@ -113,31 +102,12 @@ class Persistence:
             await self._on_disk.wait()
 
     def _write(self) -> None:
-        """Put the whole state on disk: appended to the sled's file as a line of its own (into the page
-        cache, which a crash of the process cannot take back), or, first of all and then once the file
-        holds `JOURNAL_WRITES` more or would pass `JOURNAL_BYTES`, as the whole of a new file that
-        replaces it. Replacing a file costs the filesystem a new inode and freeing the old one's blocks:
-        on ext4, some fifty times an append."""
         assert self.state_dir is not None
         change = self._changes
         for name in self._named:  # every named change so far: this write carries them all
             crash_point(f"sled-agent:write:{name}")
         self._named.clear()
-        line = json.dumps(self._state()).encode() + b"\n"
-        path = self.state_dir / f"{self.sled_id}.json"
-        appended, size = self._appended or (JOURNAL_WRITES, 0)
-        if appended >= JOURNAL_WRITES or size + len(line) > JOURNAL_BYTES:
-            _replace(path, line)
-            self._appended = (0, len(line))
-        else:
-            self._appended = None  # until the line is whole: a torn one may end the file
-            _append(path, line)
-            self._appended = (appended + 1, size + len(line))
-        self._saved = change
-        self._on_disk.set()
-
-    def _state(self) -> dict[str, Any]:
-        return {
+        state = {
             "sled_id": self.sled_id,
             "vcpus": self.vcpus,
             "ram_bytes": self.ram_bytes,
@@ -160,8 +130,11 @@ class Persistence:
                 }
                 for v in self.vmms.values()
             ],
-            "ended": list(self.ended.values()),
+            "ended": [str(v) for v in self.ended],
         }
+        _replace(self.state_dir / f"{self.sled_id}.json", state)
+        self._saved = change
+        self._on_disk.set()
 
     def boot_record(self) -> dict[str, Any]:
         return {**self.boots[-1], "seq_reserved": self.seq_reserved}
@@ -170,7 +143,7 @@ class Persistence:
     def load(cls, path: Path, nc: NATS, timing: Timing, rack_boot: dict[str, Any] | None = None) -> Self:
         """The sled as its file left it, or, if the last rack-wide reboot (`rack_boot`, from rack_boots)
         came after that file was written, as that reboot left it."""
-        state = read_state(path)
+        state = json.loads(path.read_text())
         if rack_boot is not None and rack_boot["number"] > state.get("boot_number", 1):
             ended = [v["vmm_id"] for v in state["vmms"]]
             state |= {
@@ -203,7 +176,7 @@ class Persistence:
                 target_vmm_id=uuid.UUID(v["target_vmm_id"]) if v.get("target_vmm_id") else None,
             )
             sled.vmms[vmm.vmm_id] = vmm
-        sled.ended = {uuid.UUID(v): v for v in state["ended"]}
+        sled.ended = {uuid.UUID(v): None for v in state["ended"]}
         return sled
 
     def resume(self) -> None:
@@ -229,7 +202,7 @@ def rack_boots(state_dir: Path | None, sleds: list[Sled]) -> None:
     with its next change): a simulator restarted in between still knows every sled rebooted."""
     if state_dir is None:
         return
-    _replace(state_dir / RACK_BOOTS, json.dumps({s.sled_id: s.boot_record() for s in sleds}).encode())
+    _replace(state_dir / RACK_BOOTS, {s.sled_id: s.boot_record() for s in sleds})
 
 
 def read_rack_boots(state_dir: Path) -> dict[str, dict[str, Any]]:
@@ -237,34 +210,8 @@ def read_rack_boots(state_dir: Path) -> dict[str, dict[str, Any]]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def read_state(path: Path) -> dict[str, Any]:
-    """The newest state in a sled's file: the whole file if it is one document, else its last whole line
-    (a process killed in the middle of an append leaves a torn one, whose command was not acked)."""
-    data = path.read_bytes()
-    try:
-        return dict(json.loads(data))
-    except ValueError:
-        pass
-    for line in reversed(data.splitlines()):
-        try:
-            return dict(json.loads(line))
-        except ValueError:
-            continue
-    raise ValueError(f"{path} holds no whole state")
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """Write `data` as the whole of `path`, or not at all (a crash mid-write leaves the old file)."""
+def _replace(path: Path, state: dict[str, Any]) -> None:
+    """Write `state` as the whole of `path`, or not at all (a crash mid-write leaves the old file)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
+    tmp.write_text(json.dumps(state))
     os.replace(tmp, path)
-
-
-def _append(path: Path, data: bytes) -> None:
-    """Add `data` at the end of `path` (opened for each write: thousands of sleds keep no file open)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-    try:
-        while data:
-            data = data[os.write(fd, data) :]
-    finally:
-        os.close(fd)

@@ -73,8 +73,7 @@ class Sled(VmmMachine, Reporting, Persistence):
     """The last sequence number used in this boot; numbers up to `seq_reserved` may be used unwritten."""
     seq_reserved: int = 0
     vmms: dict[uuid.UUID, SimVmm] = field(default_factory=dict)
-    ended: dict[uuid.UUID, str] = field(default_factory=dict)
-    """Ended VMMs, oldest first, each with its id as written (a write of thousands costs no conversion)."""
+    ended: dict[uuid.UUID, None] = field(default_factory=dict)
     faults: SimFaults | None = None
     capacity_vcpus: int | None = None
     capacity_ram_bytes: int | None = None
@@ -95,7 +94,6 @@ class Sled(VmmMachine, Reporting, Persistence):
     _named: set[str] = field(default_factory=set)
     """Names of unwritten changes: the write that carries them passes `sled-agent:write:<name>` first."""
     _writer: asyncio.Task[None] | None = None
-    _appended: tuple[int, int] | None = None
     js: JetStreamContext = field(init=False)
 
     def __post_init__(self) -> None:

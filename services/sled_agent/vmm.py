@@ -62,7 +62,7 @@ class VmmMachine:
     boot_number: int
     timing: Timing
     vmms: dict[uuid.UUID, SimVmm]
-    ended: dict[uuid.UUID, str]
+    ended: dict[uuid.UUID, None]
     faults: SimFaults | None
     peer: Callable[[str], Any] | None
     _thawed: asyncio.Event
@@ -200,6 +200,6 @@ class VmmMachine:
         self._report(vmm)
 
     def _forget(self, vmm_id: uuid.UUID) -> None:
-        self.ended[vmm_id] = str(vmm_id)
+        self.ended[vmm_id] = None
         while len(self.ended) > REMEMBERED_ENDED:
             self.ended.pop(next(iter(self.ended)))
