@@ -142,7 +142,6 @@ class Executor:
                 [first.name],
                 self.owner,
                 LEASE,
-                1,
             ),
         )
         while len(self._begun) > BEGUN_KEPT:

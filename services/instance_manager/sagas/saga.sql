@@ -1,10 +1,10 @@
 -- name: insert
 -- A saga whose first steps are done ($6: their names, in order; logged as done), in one statement; returns
 -- the saga as it now is. Its lease is its creator's ($7, for $8 seconds), so that no other process
--- resumes it before its creator launches it; $9: the cursor (how many steps are done).
+-- resumes it before its creator launches it. Its cursor is how many steps are done.
 WITH saga AS (
     INSERT INTO sagas (id, kind, params, data, status, cursor, trace, lease_owner, lease_until)
-    VALUES ($1, $2, $3, $4, 'running', $9, $5, $7, now() + make_interval(secs => $8))
+    VALUES ($1, $2, $3, $4, 'running', cardinality($6::text[]), $5, $7, now() + make_interval(secs => $8))
     RETURNING id, kind, params, data, status, cursor, trace, error
 ), logged AS (
     INSERT INTO saga_events (saga_id, step, event, detail, owner)

@@ -118,7 +118,7 @@ async def interlock(ctx: Context[StartParams]) -> Interlocked:
             raise bus.Conflict("pool VM is retired: its pool no longer means it to run")
         raise bus.Conflict(f"instance is {state}; it can be started once it is stopped")
     v = await views.view(ctx.tx, p.instance_id, ctx.app.settings)
-    won = Interlocked(
+    interlocked = Interlocked(
         vmm_id=vmm_id,
         generation=won["generation"],
         silo=v.silo,
@@ -131,8 +131,9 @@ async def interlock(ctx: Context[StartParams]) -> Interlocked:
         charge_sent=True,
     )
     events = views.instance_events(v, v1=ctx.app.send_v1)  # the change, then the charge: one statement
-    await charging.queue(ctx.tx, [(won.account(p.instance_id), won.charge(p.instance_id))], before=events)
-    return won
+    charge = [(interlocked.account(p.instance_id), interlocked.charge(p.instance_id))]
+    await charging.queue(ctx.tx, charge, before=events)
+    return interlocked
 
 
 def _not_restartable(current: asyncpg.Record | None, expected: int | None) -> str:
