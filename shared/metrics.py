@@ -115,7 +115,7 @@ METRICS: dict[str, Metric] = {
     "pool.backing_off": _c("Warm pool keeper passes spent backing off", IM),
     "pool.keeper_errors": _c("Warm pool keeper passes that failed", IM),
     "saga.step_retries": _c("Saga steps retried", IM),
-    "saga.steps_grouped": _c("Sagas whose local steps committed in one transaction with others'", IM),
+    "saga.steps_grouped": _c("Sagas whose steps were recorded in one statement with others'", IM),
     "saga.leases_lost": _c("Saga leases lost to another replica", IM),
     "saga.lease_renewals_failed": _c("Saga lease renewals that failed", IM),
     "saga.undo_spared_active_vmm": _c("Saga undos that left an instance's active VMM running", IM),

@@ -180,6 +180,11 @@ class Scenario:
     excused: Callable[[str], bool] = lambda line: False
     """Violations not held against the run (a replica of an earlier release beside today's does what that
     release did)."""
+    records_commands: bool = True
+    """Whether every instance-manager replica records the commands it applies (replies.py), so that a copy
+    sent again gets the first copy's answer. A replica of a release from before that decides a copy afresh:
+    a delete whose first copy ran there and whose reply was lost is refused `not_found` when sent again,
+    so in such a run a refusal may follow a copy that ran, and is kept as a command without a reply."""
     report: Report = field(init=False)
     sent: list[Sent] = field(default_factory=list)
     """Every command on a silo, project or instance the run sent, with its reply (or none)."""
@@ -201,14 +206,15 @@ class Scenario:
         """Send a command and keep what its reply said (`sent`): an ok reply, or none at all (a timeout, or
         the worker's bound: it may have run), or `unavailable` (the service lost its database under the
         transaction, whose commit may have landed, and every resend met the database still away: it may
-        have run too); a refusal did nothing and is not kept."""
+        have run too); a refusal did nothing and is not kept (unless `records_commands` is off)."""
         seq = self._sends
         self._sends += 1
         try:
             reply = await call
         except CommandError as e:
-            if isinstance(e, NoReply) or e.code in ("timeout", "unavailable"):
+            if isinstance(e, NoReply) or e.code in ("timeout", "unavailable") or not self.records_commands:
                 self.sent.append(Sent(seq, verb, silo, project, name, acked=False))
+            e.add_note(name)  # the log names the command's target (worker)
             raise
         except (TimeoutError, asyncio.CancelledError):
             self.sent.append(Sent(seq, verb, silo, project, name, acked=False))
@@ -270,7 +276,7 @@ class Scenario:
                 target = await asyncio.wait_for(getattr(self, f"op_{op}")(rng), 30)
                 outcome = "ok"
             except CommandError as e:
-                target, outcome = "", f"error:{e.code}"
+                target, outcome = (getattr(e, "__notes__", None) or [""])[-1], f"error:{e.code}"
             except TimeoutError:
                 target, outcome = "", "error:timeout"
             self.report.outcomes[outcome] += 1

@@ -29,7 +29,9 @@ async def run(
     """One chaos run; with `old` (the source tree of an earlier release), a replica of each service in
     `beside` at that release runs beside today's the whole time, killed and restarted like any other (and
     the weather of a rack harming itself, which that release does not survive, is left out; and so are
-    its failures of stuck starts on a clock alone, which today's never makes: `earlier_stuck_failure`).
+    its failures of stuck starts on a clock alone, which today's never makes: `earlier_stuck_failure`; and
+    as its instance-manager records no commands, a refusal may follow a copy that ran there:
+    `Scenario.records_commands`).
     With `ha`, on the stack of `make run HA=1`, under its weather (scenario.py, `ha_weights`)."""
     env = CHAOS_ENV | (HA_ENV if ha else {})
     async with private_rack("chaos-ha" if ha else "chaos", timeout=CLIENT_TIMEOUT, **env) as (
@@ -47,6 +49,7 @@ async def run(
         scenario = Scenario(stack, client, db, seed, duration, weights=weights)
         if old and "instance_manager" in beside:
             scenario.excused = earlier_stuck_failure
+            scenario.records_commands = False
         report = await scenario.run()
         print(f"\n{report.summary()}\n  wall time: {time.monotonic() - started:.1f}s")
         if os.environ.get("CHAOS_LOG"):  # the operations, as a failing run prints them

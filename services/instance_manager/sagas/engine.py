@@ -329,7 +329,8 @@ class Executor:
 
     async def _forward(self, saga: Saga, row: asyncpg.Record, step: Step) -> asyncpg.Record:
         """Do a step and record it done; the saga as it now is. A local step runs in the transaction that
-        records it, with the local steps right after it, and other sagas' (together.py)."""
+        records it, with the local steps right after it; a remote one is recorded once it is done; both
+        with other sagas' (together.py)."""
         if step.local:
             return await self._together.run(saga, row)
         data = dict(row["data"])
@@ -337,7 +338,7 @@ class Executor:
         out = stored(await step.action(Context(row["id"], params, data, self.app, None)))
         crash_point(f"saga:{saga.kind}/after:{step.name}")  # done, and not yet recorded as done
         status = Status.done if row["cursor"] + 1 >= len(saga.steps) else Status.running
-        return await self._advance(self.pool, (row, [step.name], {**data, **out}, status, +1))
+        return await self._together.record(saga, (row, [step.name], {**data, **out}, status, +1))
 
     async def _backward(self, saga: Saga, row: asyncpg.Record, step: Step) -> asyncpg.Record:
         data = dict(row["data"])

@@ -8,6 +8,10 @@ done, one commit. A start's place and create_vmm are four statements of their ow
 bookkeeping (begin, fence, record, commit); the sagas of a group share the four. Local steps only: a
 step that talks to another service (a sled asked) never holds a group's locks while it waits.
 
+A remote step done (a charge's outcome in, a sled asked) is recorded in a group too: its move joins the
+group's one statement (`advance`, fenced by the lease like every move), so a saga costs no statement of
+its own between its steps; a group of such records alone is that one statement.
+
 A group is all or nothing, and a saga's failure stays its own: a step that raises (StepFailed, a lost
 lease or connection, anything) rolls the group back, and each of its sagas runs again alone, where what
 it raises is its own outcome, as if it had never been grouped. Steps of one saga never run in two groups
@@ -46,13 +50,20 @@ which an inventory being applied waits for) until the last of them is done."""
 AT_ONCE = 2
 """Groups committing at once in a process: one fills while another commits."""
 
-Due = tuple[Saga, asyncpg.Record]
-"""A saga whose local steps are due, as its runner saw it."""
+
+@dataclass(frozen=True)
+class Due:
+    """A saga as its runner saw it, and what it asks of a group: its due local steps run and recorded, or
+    (`done`) a remote step it did recorded."""
+
+    saga: Saga
+    row: asyncpg.Record
+    done: Move | None = None
 
 
 @dataclass
 class Together:
-    """The local steps of this process's sagas, committed in groups."""
+    """The steps of this process's sagas, recorded in groups (the local ones run there too)."""
 
     executor: Executor
     _groups: GroupCommit[Due, asyncpg.Record] = field(init=False)
@@ -63,27 +74,42 @@ class Together:
     async def run(self, saga: Saga, row: asyncpg.Record) -> asyncpg.Record:
         """Do the saga's due local steps and record them done, with other sagas' in the same transaction;
         the saga as it now is. Raises what its own steps raise."""
-        return await self._groups((saga, row))
+        return await self._groups(Due(saga, row))
+
+    async def record(self, saga: Saga, done: Move) -> asyncpg.Record:
+        """Record a remote step done (its move), with other sagas' steps; the saga as it now is.
+        RuntimeError if the saga had moved, LeaseLost if its lease is another's (progress.advance)."""
+        return await self._groups(Due(saga, done[0], done))
 
     async def _commit(self, group: list[Due]) -> list[asyncpg.Record]:
         x = self.executor
-        async with x.pool.acquire() as conn, conn.transaction():
-            fenced = await progress.fence(conn, x.owner, [row for _, row in group])
-            for _, row in group:
-                if row["id"] not in fenced:
-                    raise LeaseLost(row["id"])
-            sagas = [(saga, row, saga.parse(row["params"])) for saga, row in group]
-            instances = {
-                i for _, _, p in sagas if isinstance(i := getattr(p, "instance_id", None), uuid.UUID)
-            }
-            if instances:
-                await conn.execute(Q["instances_lock"], sorted(instances, key=lambda i: i.int))
-            moves = [await self._steps(conn, saga, row, params) for saga, row, params in sagas]
-            moved = await progress.advance(conn, x.owner, moves)
-        x.app.relay.kick()  # what the steps wrote to the outbox goes now, not at the relay's next look
+        if all(due.done is not None for due in group):  # nothing runs: one statement, fenced by itself
+            moved = await progress.advance(x.pool, x.owner, [due.done for due in group if due.done])
+        else:
+            moved = await self._run_and_record(group)
         if len(group) > 1:
             telemetry.count("saga.steps_grouped", len(group))
-        return [moved[row["id"]] for _, row in group]
+        return [moved[due.row["id"]] for due in group]
+
+    async def _run_and_record(self, group: list[Due]) -> dict[uuid.UUID, asyncpg.Record]:
+        """The group's transaction: fence, lock, run each saga's due local steps, record every move."""
+        x = self.executor
+        async with x.pool.acquire() as conn, conn.transaction():
+            fenced = await progress.fence(conn, x.owner, [due.row for due in group])
+            for due in group:
+                if due.row["id"] not in fenced:
+                    raise LeaseLost(due.row["id"])
+            params = [due.saga.parse(due.row["params"]) if due.done is None else None for due in group]
+            instances = {i for p in params if isinstance(i := getattr(p, "instance_id", None), uuid.UUID)}
+            if instances:
+                await conn.execute(Q["instances_lock"], sorted(instances, key=lambda i: i.int))
+            moves = [
+                due.done if p is None else await self._steps(conn, due.saga, due.row, p)
+                for due, p in zip(group, params, strict=True)
+            ]
+            moved = await progress.advance(conn, x.owner, moves)
+        x.app.relay.kick()  # what the steps wrote to the outbox goes now, not at the relay's next look
+        return moved
 
     async def _steps(self, conn: asyncpg.Connection, saga: Saga, row: asyncpg.Record, params: Params) -> Move:
         """The saga's due local steps, on the group's connection, in the saga's own trace; a step that
