@@ -17,6 +17,8 @@ import pytest
 from deploy.stack import Stack
 from rackctl.invariants import no_saga_run_twice
 from services.instance_manager.sagas import Context, Executor, Output, Saga, Step
+from services.instance_manager.sagas.definition import LeaseLost, Status
+from services.instance_manager.sagas.progress import SQL
 from shared.bus import CommandError
 from shared.db import create_pool
 from shared.messages import DelayFault, ServiceFaults
@@ -110,6 +112,31 @@ async def test_a_process_whose_lease_was_taken_commits_no_step_of_that_saga(
     ]
     saga = await scratch.fetchrow("SELECT status, data, lease_owner FROM sagas WHERE id = $1", saga_id)
     assert (saga["status"], saga["data"], saga["lease_owner"]) == ("done", {"by": "b"}, b.owner)
+
+
+async def test_remote_steps_recorded_together_stand_or_fail_each_on_its_own(scratch: asyncpg.Pool) -> None:
+    """The records of remote steps done at once go in one statement (sagas/together.py), and each one's
+    outcome is its own: one whose saga moved on meanwhile is told so, one whose lease another process
+    took is told that, and the third stands, recorded once."""
+
+    async def step(ctx: Context) -> None:
+        return None
+
+    kind = Saga("records-test", [Step("first", step), Step("second", step, local=False), Step("third", step)])
+    a = Executor(App(scratch), "")
+    a.register(kind)
+    async with scratch.acquire() as conn, conn.transaction():
+        ids = [await a.begin(conn, kind, {}) for _ in range(3)]
+    rows = [await scratch.fetchrow(SQL["load"], saga_id) for saga_id in ids]
+    await scratch.execute("UPDATE sagas SET cursor = cursor + 1 WHERE id = $1", ids[1])
+    await scratch.execute("UPDATE sagas SET lease_owner = 'another' WHERE id = $1", ids[2])
+    moves = [(row, ["second"], dict(row["data"]), Status.running, 1) for row in rows]
+    done = await asyncio.gather(*(a._together.record(kind, m) for m in moves), return_exceptions=True)
+    assert not isinstance(done[0], BaseException) and done[0]["cursor"] == 2, done
+    assert isinstance(done[1], RuntimeError) and "moved under us" in str(done[1]), done
+    assert isinstance(done[2], LeaseLost), done
+    recorded = await scratch.fetch("SELECT saga_id FROM saga_events WHERE step = 'second'")
+    assert [r["saga_id"] for r in recorded] == [ids[0]]
 
 
 async def test_leases_are_renewed_while_their_process_runs_and_released_when_it_stops(

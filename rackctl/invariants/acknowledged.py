@@ -26,7 +26,8 @@ Q = queries(Path(__file__).with_suffix(".sql"))
 class Sent:
     """A command an operator sent, and what came of it: an ok reply (`acked`, with the state and generation
     it gave, for an instance), or no reply at all (not `acked`: it may or may not have run). A command
-    refused with an answer did nothing and is not kept."""
+    refused with an answer did nothing and is not kept, unless a copy of it may have run where no record
+    of it was kept (a replica of a release before command records): then it is kept as not `acked`."""
 
     seq: int
     """The order in which the commands were sent."""

@@ -40,7 +40,21 @@ async def advance(
 ) -> dict[uuid.UUID, asyncpg.Record]:
     """Move each saga on (or back) by its move, and log each of its steps, in one statement for them all,
     under `owner`'s leases (renewed); each saga as it now is, by id. RuntimeError if one had moved
-    (LeaseLost if its lease is another's)."""
+    (LeaseLost if its lease is another's): in a transaction, the caller's to roll back."""
+    moved = {}
+    for saga_id, outcome in (await advance_each(conn, owner, moves, event)).items():
+        if isinstance(outcome, Exception):
+            raise outcome
+        moved[saga_id] = outcome
+    return moved
+
+
+async def advance_each(
+    conn: asyncpg.Connection | asyncpg.Pool, owner: str, moves: list[Move], event: str = "done"
+) -> dict[uuid.UUID, asyncpg.Record | Exception]:
+    """`advance`, each saga's outcome its own: its row as it now is, or (not moved) the RuntimeError or
+    LeaseLost that says why. The moves go in by saga id, the order the fence takes their rows in."""
+    moves = sorted(moves, key=lambda m: m[0]["id"].int)  # stable: a saga's steps keep their order
     rows = await conn.fetch(
         SQL["advance"],
         [row["id"] for row, *_ in moves],
@@ -55,10 +69,11 @@ async def advance(
         LEASE,
         event,
     )
-    moved = {r["id"]: r for r in rows}
-    for row, *_ in moves:
-        if row["id"] not in moved:
-            if not await fence(conn, owner, [row]):
-                raise LeaseLost(row["id"])
-            raise RuntimeError(f"saga {row['id']} moved under us")
+    moved: dict[uuid.UUID, asyncpg.Record | Exception] = {r["id"]: r for r in rows}
+    missing = [row for row, *_ in moves if row["id"] not in moved]
+    held = await fence(conn, owner, missing) if missing else set()
+    for row in missing:
+        moved[row["id"]] = (
+            RuntimeError(f"saga {row['id']} moved under us") if row["id"] in held else LeaseLost(row["id"])
+        )
     return moved

@@ -10,16 +10,18 @@ step that talks to another service (a sled asked) never holds a group's locks wh
 
 A remote step done (a charge's outcome in, a sled asked) is recorded in a group too: its move joins the
 group's one statement (`advance`, fenced by the lease like every move), so a saga costs no statement of
-its own between its steps; a group of such records alone is that one statement.
+its own between its steps; a group of such records alone is that one statement, where each record's
+outcome is its own (one whose saga had moved, or whose lease is another's, is told so; the others stand).
 
-A group is all or nothing, and a saga's failure stays its own: a step that raises (StepFailed, a lost
-lease or connection, anything) rolls the group back, and each of its sagas runs again alone, where what
-it raises is its own outcome, as if it had never been grouped. Steps of one saga never run in two groups
-at once: a saga has one runner, which waits for its group."""
+A group that runs steps is all or nothing, and a saga's failure stays its own: a step that raises
+(StepFailed, a lost lease or connection, anything) rolls the group back, and each of its sagas runs again
+alone, where what it raises is its own outcome, as if it had never been grouped. Steps of one saga never
+run in two groups at once: a saga has one runner, which waits for its group."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,7 +68,8 @@ class Together:
     """The steps of this process's sagas, recorded in groups (the local ones run there too)."""
 
     executor: Executor
-    _groups: GroupCommit[Due, asyncpg.Record] = field(init=False)
+    _groups: GroupCommit[Due, asyncpg.Record | Exception] = field(init=False)
+    """Each request's outcome: the saga as it now is, or why its record alone did not stand."""
 
     def __post_init__(self) -> None:
         self._groups = GroupCommit(self._commit, most=MOST, at_once=AT_ONCE)
@@ -74,17 +77,18 @@ class Together:
     async def run(self, saga: Saga, row: asyncpg.Record) -> asyncpg.Record:
         """Do the saga's due local steps and record them done, with other sagas' in the same transaction;
         the saga as it now is. Raises what its own steps raise."""
-        return await self._groups(Due(saga, row))
+        return _own(await self._groups(Due(saga, row)))
 
     async def record(self, saga: Saga, done: Move) -> asyncpg.Record:
         """Record a remote step done (its move), with other sagas' steps; the saga as it now is.
         RuntimeError if the saga had moved, LeaseLost if its lease is another's (progress.advance)."""
-        return await self._groups(Due(saga, done[0], done))
+        return _own(await self._groups(Due(saga, done[0], done)))
 
-    async def _commit(self, group: list[Due]) -> list[asyncpg.Record]:
+    async def _commit(self, group: list[Due]) -> list[asyncpg.Record | Exception]:
         x = self.executor
+        moved: Mapping[uuid.UUID, asyncpg.Record | Exception]
         if all(due.done is not None for due in group):  # nothing runs: one statement, fenced by itself
-            moved = await progress.advance(x.pool, x.owner, [due.done for due in group if due.done])
+            moved = await progress.advance_each(x.pool, x.owner, [due.done for due in group if due.done])
         else:
             moved = await self._run_and_record(group)
         if len(group) > 1:
@@ -131,3 +135,10 @@ class Together:
                 cursor += 1
         status = Status.done if cursor >= len(saga.steps) else Status.running
         return (row, done, data, status, len(done))
+
+
+def _own(outcome: asyncpg.Record | Exception) -> asyncpg.Record:
+    """A request's outcome: the saga as it now is, or the exception its record alone raised."""
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
