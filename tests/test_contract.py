@@ -21,7 +21,17 @@ from deploy.stack import Stack
 from rackctl.client import Client
 from services.instance_manager.views import instance_events
 from shared import contract
-from shared.messages import BadMessage, InstanceChangedV2, InstanceView, decode, registry, schema_of
+from shared.messages import (
+    BadMessage,
+    Envelope,
+    InstanceChangedV2,
+    InstanceView,
+    ProvisionOutcome,
+    decode,
+    decode_one,
+    registry,
+    schema_of,
+)
 from shared.topology import subjects
 from tests.conftest import JetStreamAs
 from tests.test_bad_input import raw_envelope
@@ -50,8 +60,38 @@ def test_every_schema_and_version_has_a_kept_example() -> None:
 
 @pytest.mark.parametrize("path", sorted(schemas.EXAMPLES.glob("*.json")), ids=lambda p: p.stem)
 def test_every_kept_example_is_read_by_todays_readers(path: Path) -> None:
-    env, _ = decode(path.read_bytes())
+    env, body = decode(path.read_bytes())
     assert (env.schema_, env.version) == tuple(json.loads(path.read_text())[k] for k in ("schema", "version"))
+    one_env, one_body = decode_one(path.read_bytes(), type(body))  # a stream consumer's one-pass read
+    assert one_body == body and isinstance(one_env, Envelope)
+    assert one_env.model_dump(exclude={"data"}) == env.model_dump(exclude={"data"})
+
+
+def test_a_one_pass_read_refuses_what_the_general_read_refuses_and_says_the_same() -> None:
+    """A consumer of one model reads envelope and body in one pass (`decode_one`); whatever that pass
+    refuses is read the general way, so a dead letter's reason is the same either way."""
+    outcome = json.loads((schemas.EXAMPLES / "rp.evt.provision.outcome.v1.json").read_text())
+    start = json.loads((schemas.EXAMPLES / "rp.cmd.instance.start.v1.json").read_text())
+    bad = [
+        b"not json",
+        json.dumps({**outcome, "version": 7}).encode(),
+        json.dumps({**outcome, "schema": "rp.evt.nothing"}).encode(),
+        json.dumps({**outcome, "data": {**outcome["data"], "generation": "2"}}).encode(),
+        json.dumps({**outcome, "data": {**outcome["data"], "reason": "a\u0000b"}}).encode(),
+        json.dumps({**outcome, "source": ""}).encode(),
+        json.dumps(start).encode(),  # another schema than the one read
+    ]
+    for raw in bad:
+        with pytest.raises(BadMessage) as general:
+            decode(raw, ProvisionOutcome)
+        with pytest.raises(BadMessage) as one:
+            decode_one(raw, ProvisionOutcome)
+        assert (one.value.code, one.value.reason) == (general.value.code, general.value.reason), raw
+    tolerated = {**outcome, "data": {**outcome["data"], "added_later": 1}}  # events read tolerantly
+    assert (
+        decode_one(json.dumps(tolerated).encode(), ProvisionOutcome)[1]
+        == decode(json.dumps(tolerated).encode(), ProvisionOutcome)[1]
+    )
 
 
 def test_the_asyncapi_document_names_a_channel_for_every_schema() -> None:

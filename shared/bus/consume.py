@@ -42,7 +42,7 @@ from shared.bus.wire import WIRE, settle
 from shared.config import Settings
 from shared.crash import crash_point
 from shared.errors import transient
-from shared.messages import BadMessage, Envelope, Model, decode
+from shared.messages import BadMessage, Envelope, Model, decode, decode_one
 from shared.topology import subjects
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,9 @@ class Consumer:
         applied alone, in a task of its own, once its wait is over."""
         now: list[Delivery] = []
         for msg in msgs:
-            if (admitted := await self._admit(msg)) is None:
+            admitted = self._admit(msg)
+            if isinstance(admitted, str):
+                await self._dead_letter(msg, admitted)
                 continue
             d = Delivery(*admitted, msg)
             if (wait := WIRE.later(msg)) is None:
@@ -229,16 +231,17 @@ class Consumer:
         await wait
         await self._apply([d])
 
-    async def _admit(self, msg: Msg) -> tuple[Envelope, Any] | None:
-        """The message decoded and verified against its subject, or None once it is dead-lettered."""
+    def _admit(self, msg: Msg) -> tuple[Envelope, Any] | str:
+        """The message decoded and verified against its subject, or why it is to be dead-lettered."""
         try:
-            env, body = decode(msg.data, self.expect)
+            if isinstance(self.expect, type):  # one model: envelope and body in one pass
+                env, body = decode_one(msg.data, self.expect)
+            else:
+                env, body = decode(msg.data, self.expect)
         except BadMessage as e:
-            await self._dead_letter(msg, f"{e.code}: {e.reason}")
-            return None
+            return f"{e.code}: {e.reason}"
         if self.verify is not None and (refused := self.verify(msg.subject, body)):
-            await self._dead_letter(msg, refused)
-            return None
+            return refused
         return env, body
 
     async def _apply(self, batch: list[Delivery]) -> None:
@@ -260,6 +263,7 @@ class Consumer:
         crash_point(f"after-commit:{self.durable}")
         if not self.alone:
             telemetry.count("batches", consumer=self.durable)
+        handled = 0
         for d in batch:
             if isinstance(d.refused, Reject):
                 await self._dead_letter(d.msg, d.refused.reason)
@@ -267,7 +271,9 @@ class Consumer:
                 telemetry.count("retried", consumer=self.durable)
                 await settle(d.msg.nak(delay=d.refused.delay))
             elif await WIRE.ack(d.msg):
-                telemetry.count("handled", consumer=self.durable)
+                handled += 1
+        if handled:
+            telemetry.count("handled", handled, consumer=self.durable)
 
     async def _not_applied(self, batch: list[Delivery], e: Exception) -> None:
         """The handler raised: retry while the infrastructure is away; split a batch to find the message

@@ -59,15 +59,31 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def postgres_login(pid: int) -> str | None:
+    """The login a PostgreSQL backend works for, from its title (`postgres: <login> <database> <client>
+    <activity>`); None for the server's own processes (the postmaster, the writers, autovacuum)."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()
+    except OSError:
+        return None
+    if len(title) < 5 or title[0] != b"postgres:" or title[1] in (b"autovacuum", b"logical", b"background"):
+        return None
+    return title[1].decode()
+
+
 @contextmanager
 def cpu_split(stack: Stack) -> Iterator[dict[str, float]]:
-    """CPU seconds each of the stack's processes used inside the block (filled in when it ends). A backend
-    PostgreSQL forks inside it counts from zero; one that ends inside it is not counted."""
+    """CPU seconds each of the stack's processes used inside the block (filled in when it ends), PostgreSQL's
+    by the login each backend serves (`postgres:instance_manager`; `postgres` for its own processes). A
+    backend PostgreSQL forks inside it counts from zero; one that ends inside it is not counted."""
     before = {pid: cpu_seconds(pid) for pids in processes(stack).values() for pid in pids}
     used: dict[str, float] = {}
     yield used
     for name, pids in processes(stack).items():
-        used[name] = sum(cpu_seconds(pid) - before.get(pid, 0.0) for pid in pids)
+        for pid in pids:
+            login = postgres_login(pid) if name == "postgres" else None
+            key = f"postgres:{login}" if login else name
+            used[key] = used.get(key, 0.0) + cpu_seconds(pid) - before.get(pid, 0.0)
 
 
 def _parent(proc: Path) -> int | None:
