@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from deploy.dbroles import SCHEMAS
-from deploy.stack import Stack
+from deploy.stack import Postgres, Stack
 from shared.db import owner_role
 from tests.test_cli import assert_ok, rackctl
 
@@ -160,10 +160,12 @@ async def test_no_service_connects_as_a_superuser(stack: Stack) -> None:
 
 
 async def test_the_services_beside_the_database_reach_it_through_its_unix_socket(stack: Stack) -> None:
-    """The one-machine stack's logins name the cluster's socket (a sixth less CPU a round trip than
-    loopback TCP), still with their passwords (`test_a_wrong_password_is_refused` goes through it too)."""
-    assert stack.admin_database_url is not None and stack.postgres is not None
-    assert f"?host={stack.postgres.dir.resolve()}&" in stack.service_database_urls["instance_manager"]
+    """The one-machine stack's logins name the cluster's socket (a tenth to a fifth less CPU a round trip
+    than loopback TCP), still with their passwords (`test_a_wrong_password_is_refused` goes through it)."""
+    assert stack.admin_database_url is not None and isinstance(stack.postgres, Postgres)
+    if (sockets := stack.postgres.socket_dir) is None:
+        pytest.skip(f"{stack.postgres.dir}: too long, or not plain enough, for a socket's folder")
+    assert f"?host={sockets}&" in stack.service_database_urls["instance_manager"]
     conn = await connect(stack.admin_database_url)
     try:
         rows = await conn.fetch(

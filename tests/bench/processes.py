@@ -59,14 +59,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+SERVERS_OWN = {
+    b"autovacuum",
+    b"logical",
+    b"background",
+    b"parallel",
+    b"walsender",
+    b"walreceiver",
+    b"startup",
+}
+"""The first word of the titles of PostgreSQL's own processes that a login's would not have."""
+
+
 def postgres_login(pid: int) -> str | None:
-    """The login a PostgreSQL backend works for, from its title (`postgres: <login> <database> <client>
-    <activity>`); None for the server's own processes (the postmaster, the writers, autovacuum)."""
+    """The login a PostgreSQL backend works for, from its title (`postgres: [<cluster name>:] <login>
+    <database> <client> <activity>`; Patroni names the cluster); None for the server's own processes
+    (the postmaster, the writers, autovacuum, a parallel worker)."""
     try:
         title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()
     except OSError:
         return None
-    if len(title) < 5 or title[0] != b"postgres:" or title[1] in (b"autovacuum", b"logical", b"background"):
+    if title[1:2] and title[1].endswith(b":"):
+        title = title[:1] + title[2:]
+    if len(title) < 5 or title[0] != b"postgres:" or title[1] in SERVERS_OWN:
         return None
     return title[1].decode()
 

@@ -106,6 +106,8 @@ async def test_a_round_trip_costs_more_than_the_statement_it_carries(rack: Rack)
     await setup.execute(f"INSERT INTO bench_rows SELECT g, 0 FROM generate_series(1, {ROWS}) g")
     await setup.execute(FIVE)
     await setup.close()
+    if stack.postgres.socket_dir is None:
+        pytest.skip(f"{stack.postgres.dir}: no Unix socket there (too long a path, or not plain enough)")
     results = {}
     for how, url in (
         ("TCP", _over_tcp(stack.admin_database_url, stack.postgres.port)),
