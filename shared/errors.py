@@ -25,3 +25,11 @@ def transient(e: BaseException) -> bool:
         | asyncpg.exceptions.InternalClientError
         | nats.errors.Error,
     )
+
+
+def unreachable(e: BaseException) -> str:
+    """One line for a failure to reach a server: a Unix socket that is not there (the server is down or
+    restarting) says so, where the bare error would read like a missing file."""
+    if isinstance(e, FileNotFoundError):
+        return "nothing listens on its Unix socket (the server is down or restarting)"
+    return f"{type(e).__name__}: {e}"

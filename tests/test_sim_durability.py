@@ -19,7 +19,7 @@ from deploy.stack import Stack
 from rackctl.client import Client
 from rackctl.sizes import format_size
 from shared.bus import CommandError
-from shared.messages.simulator import SimSledCapacity
+from shared.messages.simulator import SimFaults, SimSledCapacity
 from shared.topology import subjects
 from tests.conftest import (
     GiB,
@@ -144,6 +144,34 @@ async def test_a_command_is_acked_only_once_its_effect_is_on_disk(rack: Rack, ve
 
         # well within the target's wait (RACKPLANE_MIGRATE_TIMEOUT, 20 s), which would call it off
         await eventually(moved, timeout=15)
+    await one_running_vmm_one_charge(client, db, silo, name)
+
+
+async def test_the_report_of_a_vmm_that_ended_is_sent_again_after_a_crash_until_acknowledged(
+    rack: Rack,
+) -> None:
+    """A VMM that ended is in none of its sled's lists. The simulator dies after writing the end and
+    before the broker acknowledged its report: only the report kept with the state (`unsent`) is left to
+    tell instance-manager. Without it the instance waits in `stopping` for ever: its sled lists the VMM no
+    more, which recovery takes for a late report (the chaos soak found this)."""
+    stack, client, db = rack
+    silo, proj, name = await new_instance(client, "unsent", running=True)
+    v = await client.instance("show", silo, proj, name)
+    await client.sim_faults(SimFaults(sled_id=v["sled_id"], drop_probability=1.0))  # no report leaves
+    try:
+        await client.instance("stop", silo, proj, name)
+
+        async def ended_on_disk() -> bool:
+            return not live_vmms(stack, v["id"])
+
+        await eventually(ended_on_disk, timeout=15)
+        assert (await client.instance("show", silo, proj, name))["state"] == "stopping"
+    finally:
+        stack.services["sled_agent"].kill()  # its faults die with it
+    await restart_simulator(stack)
+    await wait_state(client, silo, proj, name, "stopped", timeout=15)
+    await client.instance("start", silo, proj, name)
+    await wait_state(client, silo, proj, name, "running")
     await one_running_vmm_one_charge(client, db, silo, name)
 
 

@@ -10,6 +10,7 @@ import asyncpg
 
 from rackctl.commands.base import CONNECT_TIMEOUT
 from shared.config import check_database_url
+from shared.errors import unreachable
 
 
 def database_url_option(p: argparse.ArgumentParser) -> None:
@@ -31,4 +32,4 @@ async def connect(args: argparse.Namespace) -> asyncpg.Connection:
     except TimeoutError:
         raise ConnectionError(f"cannot reach the database within {within:g}s") from None
     except (OSError, asyncpg.PostgresError) as e:
-        raise ConnectionError(f"cannot reach the database: {type(e).__name__}: {e}") from None
+        raise ConnectionError(f"cannot reach the database: {unreachable(e)}") from None

@@ -31,7 +31,7 @@ from nats.aio.client import Client as NATS
 
 from services.sled_agent.vmm import SimVmm, Timing
 from shared.crash import crash_point
-from shared.messages import VmmState
+from shared.messages import VmmReport, VmmState
 
 if TYPE_CHECKING:
     from services.sled_agent.sled import Sled
@@ -57,6 +57,7 @@ class Persistence:
     seq_reserved: int
     vmms: dict[uuid.UUID, SimVmm]
     ended: dict[uuid.UUID, None]
+    unsent: dict[uuid.UUID, VmmReport]
     capacity_vcpus: int | None
     capacity_ram_bytes: int | None
     naming: str | None
@@ -66,6 +67,7 @@ class Persistence:
     _named: set[str]
     _writer: asyncio.Task[None] | None
     _report: Callable[[SimVmm], None]
+    _send: Callable[[VmmReport], None]
     _spawn: Callable[[Any], None]
     _transition: Callable[..., None]
     _resume_hand_over: Callable[[SimVmm], bool]
@@ -131,6 +133,7 @@ class Persistence:
                 for v in self.vmms.values()
             ],
             "ended": [str(v) for v in self.ended],
+            "unsent": [r.model_dump_json() for r in self.unsent.values()],
         }
         _replace(self.state_dir / f"{self.sled_id}.json", state)
         self._saved = change
@@ -177,11 +180,16 @@ class Persistence:
             )
             sled.vmms[vmm.vmm_id] = vmm
         sled.ended = {uuid.UUID(v): None for v in state["ended"]}
+        reports = (VmmReport.model_validate_json(r) for r in state.get("unsent", []))
+        sled.unsent = {r.vmm_id: r for r in reports}
         return sled
 
     def resume(self) -> None:
         """After a simulator restart: finish what was under way, and report every VMM's state again. Every
-        sled is loaded before any resumes: a migration source looks at its target's sled."""
+        sled is loaded before any resumes: a migration source looks at its target's sled. The reports of
+        VMMs that ended and that the broker had not acknowledged go again first, as they were."""
+        for report in list(self.unsent.values()):
+            self._send(report)
         for vmm in list(self.vmms.values()):
             if vmm.state is VmmState.migrating and vmm.target_vmm_id is not None:
                 if self._resume_hand_over(vmm):

@@ -40,10 +40,19 @@ class Reporting:
     _thawed: asyncio.Event
     _connected: asyncio.Event
     next_seq: Callable[[], int]
+    unsent: dict[uuid.UUID, VmmReport]
+    _save: Callable[..., None]
     _spawn: Callable[[Any], None]
     _durable: Callable[[int], Any]
 
     def _report(self, vmm: SimVmm) -> None:
+        self._send(self._new_report(vmm))
+
+    def _new_report(self, vmm: SimVmm) -> VmmReport:
+        """The VMM's report as of now. The report of a VMM that ended is kept in `unsent`, and written with
+        the sled's state, until the broker acknowledges it: the VMM is in no other list, so a simulator
+        that restarts sends that report again, where it would otherwise never be sent, and its instance
+        would wait for it for ever (its sled lists the VMM no more: recovery calls that a late report)."""
         report = VmmReport(
             sled_id=self.sled_id,
             boot_id=self.boot_id,
@@ -55,6 +64,12 @@ class Reporting:
             generation=vmm.generation,
             migrated_to=vmm.migrated_to,
         )
+        if vmm.state.terminal:
+            self.unsent[vmm.vmm_id] = report
+        return report
+
+    def _send(self, report: VmmReport) -> None:
+        """Send `report` once the sled's state as of now is on disk, until acknowledged."""
         self._spawn(self._deliver(report, self._changes))
 
     async def _deliver(self, report: VmmReport, change: int) -> None:
@@ -82,6 +97,9 @@ class Reporting:
                         telemetry.count("sled.fault.duplicated")
                         await bus.publish(self.js, subject, report, source=SOURCE, key=f"{key}:dup{i}")
                     telemetry.count("sled.reports")
+                    if self.unsent.get(report.vmm_id) is report:
+                        del self.unsent[report.vmm_id]
+                        self._save()  # with the next write: a restart before it only sends it again
                     return
                 except Exception as e:
                     log.info(

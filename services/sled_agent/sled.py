@@ -34,7 +34,7 @@ from services.sled_agent.persistence import (
 from services.sled_agent.reports import SOURCE, Reporting
 from services.sled_agent.vmm import REMEMBERED_ENDED, SimVmm, Timing, VmmMachine
 from shared import telemetry
-from shared.messages import SimFaults
+from shared.messages import SimFaults, VmmReport
 
 __all__ = [
     "RACK_BOOTS",
@@ -74,6 +74,8 @@ class Sled(VmmMachine, Reporting, Persistence):
     seq_reserved: int = 0
     vmms: dict[uuid.UUID, SimVmm] = field(default_factory=dict)
     ended: dict[uuid.UUID, None] = field(default_factory=dict)
+    unsent: dict[uuid.UUID, VmmReport] = field(default_factory=dict)
+    """The reports of VMMs that ended, until the broker acknowledges them (reports.py `_new_report`)."""
     faults: SimFaults | None = None
     capacity_vcpus: int | None = None
     capacity_ram_bytes: int | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared import telemetry
-from shared.messages import SimFaults, VmmDestroy, VmmEnsure, VmmMigrate, VmmState, VmmStop
+from shared.messages import SimFaults, VmmDestroy, VmmEnsure, VmmMigrate, VmmReport, VmmState, VmmStop
 
 REMEMBERED_ENDED = 20_000
 """How many ended VMM ids a sled remembers, so that a late ensure for one is ignored."""
@@ -69,6 +69,8 @@ class VmmMachine:
     reachable: bool
     _save: Callable[..., None]
     _report: Callable[[SimVmm], None]
+    _new_report: Callable[[SimVmm], VmmReport]
+    _send: Callable[[VmmReport], None]
     _spawn: Callable[[Any], None]
 
     async def ensure(self, cmd: VmmEnsure) -> None:
@@ -196,8 +198,9 @@ class VmmMachine:
         if state.terminal:
             self.vmms.pop(vmm.vmm_id, None)
             self._forget(vmm.vmm_id)
+        report = self._new_report(vmm)  # before the write: an ended VMM's report is kept with it
         self._save(now, name)
-        self._report(vmm)
+        self._send(report)
 
     def _forget(self, vmm_id: uuid.UUID) -> None:
         self.ended[vmm_id] = None

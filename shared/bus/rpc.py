@@ -30,7 +30,7 @@ from shared.bus.connect import unless_denied
 from shared.bus.errors import CommandError, NoReply
 from shared.bus.publish import headers_for
 from shared.bus.wire import WIRE, respond
-from shared.errors import transient
+from shared.errors import transient, unreachable
 from shared.messages import BadMessage, Model, Reply, decode, encode, envelope
 from shared.topology import subjects
 
@@ -134,7 +134,7 @@ async def serve(
         except Exception as e:
             if transient(e):  # the database or the broker is away for a while: the caller may retry
                 log.warning("command on %s not served: %s: %s", msg.subject, type(e).__name__, e)
-                why = f"the service cannot reach its database or broker right now ({type(e).__name__}: {e})"
+                why = f"the service cannot reach its database or broker right now ({unreachable(e)})"
                 reply = Reply(ok=False, error={"code": "unavailable", "message": f"{why}; try again"})
             else:
                 log.exception("command on %s failed", msg.subject)

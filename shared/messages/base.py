@@ -244,6 +244,9 @@ class Event(Model):
 
 
 class Envelope(Model):
+    """What every message is: its schema and version, id, sender and time, and its body (`data`), a dict
+    as `decode` reads it, the body's model itself as `decode_one` does."""
+
     schema_: str = Field(alias="schema", min_length=1, max_length=100)
     version: int = Field(ge=1)
     id: uuid.UUID
