@@ -21,23 +21,23 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
 from tests.bench.processes import cpu_seconds
 from tests.conftest import Rack, private_rack
+from tests.test_db_roles import over_tcp
 
 pytestmark = pytest.mark.bench
 
 CALLS = int(os.environ.get("BENCH_ROUND_TRIPS", "5000"))
 ROWS = 1000
-FIVE = """
+FIVE = f"""
 CREATE FUNCTION bench_five(i int) RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
     FOR k IN 0..4 LOOP
-        UPDATE bench_rows SET v = v + 1 WHERE id = (i * 5 + k) % 1000 + 1;
+        UPDATE bench_rows SET v = v + 1 WHERE id = (i * 5 + k) % {ROWS} + 1;
     END LOOP;
 END $$
 """
@@ -83,12 +83,6 @@ async def _measure(conn: asyncpg.Connection) -> dict[str, tuple[float, float, fl
     return {k: tuple(v / CALLS * 1e6 for v in vs) for k, vs in out.items()}  # type: ignore[misc]
 
 
-def _over_tcp(url: str, port: int) -> str:
-    parts = urlsplit(url)
-    login = parts.netloc.rpartition("@")[0]
-    return urlunsplit((parts.scheme, f"{login}@127.0.0.1:{port}", parts.path, "", ""))
-
-
 @pytest.fixture
 async def rack() -> Rack:
     async with private_rack("roundtrip", RACKPLANE_SLEDS="1") as made:
@@ -110,7 +104,7 @@ async def test_a_round_trip_costs_more_than_the_statement_it_carries(rack: Rack)
         pytest.skip(f"{stack.postgres.dir}: no Unix socket there (too long a path, or not plain enough)")
     results = {}
     for how, url in (
-        ("TCP", _over_tcp(stack.admin_database_url, stack.postgres.port)),
+        ("TCP", over_tcp(stack, stack.admin_database_url)),
         ("Unix socket", stack.admin_database_url),
     ):
         conn = await asyncpg.connect(url)
