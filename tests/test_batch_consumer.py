@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import nats
@@ -17,6 +17,7 @@ import nats.js.errors
 import pytest
 
 from shared import bus
+from shared.db import OutboxRelay
 from shared.messages import ProvisionDelta, SledInventory, VmmReport
 from shared.topology import subjects
 from tests.conftest import bare_jetstream, eventually
@@ -199,3 +200,80 @@ async def test_bulk_publish_gives_up_on_a_round_and_its_late_acks_change_nothing
     # its 500 acks come while the next round waits: they must not count as the next round's
     await publisher.publish([(subject, b"y", {bus.MSG_ID: str(uuid.uuid4())})], timeout=5)
     assert (await js.stream_info(subjects.EVENTS_STREAM)).state.messages == before + 501
+
+
+async def test_a_batch_that_found_company_lingers_and_a_lone_message_is_never_held(js: Any) -> None:
+    """RACKPLANE_BATCH_LINGER: after a batch of more than one message, the next fetch waits out the linger,
+    so that what comes meanwhile is applied as one batch; a message that comes alone is applied at once,
+    and so is the one after it."""
+    linger = 0.6
+    batches: list[tuple[float, list[int]]] = []
+    loop = asyncio.get_running_loop()
+
+    async def handler(batch: list[bus.Delivery]) -> None:
+        batches.append((loop.time(), [d.body.generation for d in batch]))
+
+    def applied(n: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return sum(len(b) for _, b in batches) == n
+
+        return check
+
+    async def publish(generation: int) -> float:
+        d = delta(generation)
+        await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
+        return loop.time()
+
+    await publish_deltas(js, 3)  # stored before anyone fetches: the first fetch brings them together
+    task = asyncio.create_task(deltas_consumer(js, "test-linger", handler, linger=linger).run())
+    try:
+        await eventually(applied(3), timeout=5)
+        for g in range(4, 8):  # while it lingers, four more come one by one
+            await publish(g)
+            await asyncio.sleep(linger / 8)
+        await eventually(applied(7), timeout=5)
+        assert [b for _, b in batches] == [[1, 2, 3], [4, 5, 6, 7]]  # the four in one batch
+        assert batches[1][0] - batches[0][0] >= linger * 0.9  # after the linger
+
+        await asyncio.sleep(linger * 1.5)  # the linger after the four is over: the consumer waits
+        for g in (8, 9):  # alone: each applied at once, the one after it too
+            sent = await publish(g)
+            await eventually(applied(g), timeout=5)
+            assert batches[-1][1] == [g]
+            assert batches[-1][0] - sent < linger / 2
+    finally:
+        task.cancel()
+
+
+async def test_the_relay_lingers_only_when_rows_were_committed_while_it_published(js: Any) -> None:
+    """The outbox relay's rounds (OutboxRelay.run): rows committed while a round publishes (a kick during
+    it) are not forgotten, and wait out the linger so that the next round takes them with what comes
+    meanwhile; a round nobody kicked during waits for the next kick, which it answers at once."""
+    linger = 0.5
+    loop = asyncio.get_running_loop()
+    rounds: list[float] = []
+
+    class Relay(OutboxRelay):
+        async def drain_once(self) -> int:  # the rounds' timing alone: no database
+            rounds.append(loop.time())
+            if len(rounds) == 1:
+                self.kick()  # a commit while the first round publishes
+                return 2
+            return 1 if len(rounds) == 2 else 0
+
+    relay = Relay(None, js._nc, js, linger=linger)  # type: ignore[arg-type]
+    task = asyncio.create_task(relay.run())
+    try:
+        await eventually(lambda: _true(len(rounds) >= 2), timeout=5)
+        assert rounds[1] - rounds[0] >= linger * 0.9  # kicked during the first: the linger, then a round
+        await asyncio.sleep(0.3)  # no kick since: rounds only at the relay's idle pace (every 0.05 s)
+        kicked = loop.time()
+        relay.kick()
+        await eventually(lambda: _true(rounds[-1] >= kicked), timeout=5)
+        assert min(t for t in rounds if t >= kicked) - kicked < 0.03  # a kick is answered at once
+    finally:
+        task.cancel()
+
+
+async def _true(value: bool) -> bool:
+    return value

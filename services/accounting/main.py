@@ -107,7 +107,7 @@ async def usage(pool: asyncpg.Pool, body: UsageGet) -> dict[str, Any]:
 async def main(settings: Settings) -> None:
     pool = await open_database(settings, SCHEMA, MIGRATIONS)
     nc, js = await connect_bus(settings, SOURCE)
-    relay = db.OutboxRelay(pool, nc, js)
+    relay = db.OutboxRelay(pool, nc, js, linger=settings.batch_linger)
 
     async def on_deltas(batch: list[bus.Delivery]) -> None:
         charges = []
@@ -143,7 +143,11 @@ async def main(settings: Settings) -> None:
     )
     await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE)
-    common: dict[str, Any] = {"service": SOURCE, "ack_wait": settings.ack_wait}
+    common: dict[str, Any] = {
+        "service": SOURCE,
+        "ack_wait": settings.ack_wait,
+        "linger": settings.batch_linger,
+    }
     log.info("accounting ready")
     await run_forever(
         relay.run(),

@@ -56,7 +56,7 @@ class App:
         self.inventories_caught_up.set()  # until the inventories' consumer finds a backlog
         self.reports_caught_up.set()
         self.send_v1 = self.settings.event_v1
-        self.relay = OutboxRelay(self.pool, self.nc, self.js)
+        self.relay = OutboxRelay(self.pool, self.nc, self.js, linger=self.settings.batch_linger)
         self.sagas = Executor(
             self,
             self.dsn,

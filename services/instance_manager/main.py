@@ -43,7 +43,11 @@ def consumers(app: App) -> list[bus.Consumer]:
     (Charging.record_outcomes). The inventories' and the reports' consumers say when they have caught up
     (`App.inventories_first`, `App.reports_first`)."""
 
-    common: dict[str, Any] = {"service": SOURCE, "ack_wait": app.settings.ack_wait}
+    common: dict[str, Any] = {
+        "service": SOURCE,
+        "ack_wait": app.settings.ack_wait,
+        "linger": app.settings.batch_linger,
+    }
     return [
         bus.Consumer(
             app.js,

@@ -87,7 +87,12 @@ async def main(settings: Settings) -> None:
 
     await serve_faults(nc, SOURCE)
     await serve_stats(nc, SOURCE, stats)
-    common: dict[str, Any] = {"service": SOURCE, "verify": None, "ack_wait": settings.ack_wait}
+    common: dict[str, Any] = {
+        "service": SOURCE,
+        "verify": None,
+        "ack_wait": settings.ack_wait,
+        "linger": settings.batch_linger,
+    }
     log.info("recovery ready")
     await run_forever(
         reconciler.run(),

@@ -3,10 +3,12 @@ applied, only after it returned (so after its transaction committed).
 
 A handler of single messages (`Consumer(handler=...)`) is one of batches of one (`each`): each message
 is applied and acked on its own, in the order fetched. A batch handler gets every message a fetch brought
-at once, and the next fetch is already on its way while it applies them. Either way a message that cannot
-be decoded or verified is dead-lettered alone before the handler sees it; a batch the handler fails on is
-split in halves until the failing message is alone, which is retried a few times and then dead-lettered
-with the reason (while the database or broker is away, it is retried for as long as it takes).
+at once, and the next fetch is already on its way while it applies them; after a small batch of more
+than one message it lingers instead (`linger`), so that under load the next batch gathers. Either way a
+message that cannot be decoded or verified is dead-lettered alone before the handler sees it; a batch
+the handler fails on is split in halves until the failing message is alone, which is retried a few
+times and then dead-lettered with the reason (while the database or broker is away, it is retried for
+as long as it takes).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class Consumer:
         dead_letters: str | None = None,
         idle_wait: float = 1.0,
         caught_up: asyncio.Event | None = None,
+        linger: float = 0.0,
     ) -> None:
         if handler is not None and batch_handler is None:
             batch_handler = each(handler)
@@ -134,6 +137,12 @@ class Consumer:
         self.caught_up = caught_up
         """Set while the broker holds nothing more for this consumer than what it has applied; cleared
         while a backlog waits. Work that should come after this consumer's can wait on it."""
+        self.linger = linger if not self.alone else 0.0
+        """Seconds a batch handler waits before its next fetch after a batch that found company (more
+        than one message, less than a quarter of `batch`): under load the next batch gathers meanwhile,
+        and its transaction, fetch and acks serve more messages. A message that comes alone is applied at
+        once and the next fetch is not held, so a lone request's path is never slowed. The service's
+        RACKPLANE_BATCH_LINGER."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def _subscribe(self) -> Pull:
@@ -155,11 +164,13 @@ class Consumer:
 
     async def run(self) -> None:
         """Fetch, handle, ack, for ever. A batch handler's next fetch is asked for before its batch is
-        applied; one message at a time, what was fetched already waits its turn, so it asks for no more."""
+        applied, unless the batch says to linger (`linger`); one message at a time, what was fetched
+        already waits its turn, so it asks for no more."""
         sub: Pull | None = None
         ahead: asyncio.Future[list[Msg]] | None = None
         try:
             while True:
+                linger = False
                 try:
                     if sub is None:
                         sub = await self._subscribe()
@@ -167,7 +178,8 @@ class Consumer:
                         ahead = asyncio.ensure_future(sub.fetch(self.batch, timeout=self.idle_wait))
                     msgs = await ahead
                     ahead = None
-                    if not self.alone:  # the next batch comes while this one is applied
+                    linger = self.linger > 0 and 1 < len(msgs) < self.batch // 4
+                    if not self.alone and not linger:  # the next batch comes while this one is applied
                         ahead = asyncio.ensure_future(sub.fetch(self.batch, timeout=self.idle_wait))
                 except TimeoutError:  # nothing to fetch
                     ahead = None
@@ -191,6 +203,8 @@ class Consumer:
                     await self._take(group)
                 if not behind:  # what the prefetch brought meanwhile is a backlog too
                     self._caught_up(ahead is None or not _fetched(ahead))
+                if linger:  # company: the next batch gathers meanwhile
+                    await asyncio.sleep(self.linger)
         finally:
             if ahead is not None:
                 ahead.cancel()

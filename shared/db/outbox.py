@@ -84,11 +84,19 @@ class OutboxRelay:
     and may interleave their rows, so consumers never rely on order across a service's replicas.
     """
 
-    def __init__(self, pool: asyncpg.Pool, nc: NATS, js: JetStreamContext, *, batch: int = 1000) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, nc: NATS, js: JetStreamContext, *, batch: int = 1000, linger: float = 0.0
+    ) -> None:
         self.pool = pool
         self.js = js
         self.publisher = BulkPublisher(nc)
         self.batch = batch
+        self.linger = linger
+        """Seconds to wait before the next round when rows were committed while a round of less than a
+        quarter of `batch` published: under load they gather meanwhile, and a round (a transaction, a
+        claim, a delete, the acks) serves more of them. A round that was not kicked meanwhile waits for
+        the next kick, which it answers at once: a lone message is never held. The service's
+        RACKPLANE_BATCH_LINGER (the consumers' rule: `bus.Consumer.linger`)."""
         self.wake = asyncio.Event()
         metrics.sampler(self.sample_depth)
 
@@ -100,7 +108,10 @@ class OutboxRelay:
         self.wake.set()
 
     async def run(self) -> None:
+        """Publish what is committed, round after round. A kick that comes while a round publishes is kept
+        (the wake is cleared before the round claims its rows), so its rows go out in the next round."""
         while True:
+            self.wake.clear()
             try:
                 sent = await self.drain_once()
             except asyncio.CancelledError:
@@ -111,7 +122,8 @@ class OutboxRelay:
                 sent = 0
                 await asyncio.sleep(0.5)
             if sent < self.batch:
-                self.wake.clear()
+                if self.linger and 0 < sent < self.batch // 4 and self.wake.is_set():  # company
+                    await asyncio.sleep(self.linger)  # more rows gather meanwhile
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=0.05)
                 except TimeoutError:
