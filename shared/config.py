@@ -290,7 +290,8 @@ class Settings(BaseSettings):
         "how long a batch consumer or an outbox relay whose last batch found company (a consumer's fetch "
         "of more than one message, a relay's round with rows committed while it published; either under "
         "a quarter of a full batch) waits before it fetches or publishes again, so that under load its "
-        "batches grow and each message costs less; a message that comes alone is never held. 0: never",
+        "batches grow and each message costs less; a message that comes alone is never held, nor does a "
+        "consumer whose catching up others wait on (instance-manager's inventories and reports). 0: never",
     )
     duplicate_window: Duration = setting(
         "RACKPLANE_DUPLICATE_WINDOW",

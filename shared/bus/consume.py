@@ -137,12 +137,13 @@ class Consumer:
         self.caught_up = caught_up
         """Set while the broker holds nothing more for this consumer than what it has applied; cleared
         while a backlog waits. Work that should come after this consumer's can wait on it."""
-        self.linger = linger if not self.alone else 0.0
+        self.linger = 0.0 if self.alone or caught_up is not None else linger
         """Seconds a batch handler waits before its next fetch after a batch that found company (more
-        than one message, less than a quarter of `batch`): under load the next batch gathers meanwhile,
-        and its transaction, fetch and acks serve more messages. A message that comes alone is applied at
-        once and the next fetch is not held, so a lone request's path is never slowed. The service's
-        RACKPLANE_BATCH_LINGER."""
+        than one message, less than a quarter of `batch`, nothing more stored behind it): under load the
+        next batch gathers meanwhile, and its transaction, fetch and acks serve more messages. A message
+        that comes alone is applied at once and the next fetch is not held, so a lone request's path is
+        never slowed. The service's RACKPLANE_BATCH_LINGER; never for a consumer that says when it has
+        caught up, whose waiters must not be told so while what came during its batch waits unfetched."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def _subscribe(self) -> Pull:
@@ -178,7 +179,7 @@ class Consumer:
                         ahead = asyncio.ensure_future(sub.fetch(self.batch, timeout=self.idle_wait))
                     msgs = await ahead
                     ahead = None
-                    linger = self.linger > 0 and 1 < len(msgs) < self.batch // 4
+                    linger = self.linger > 0 and 1 < len(msgs) < self.batch // 4 and not _behind(msgs)
                     if not self.alone and not linger:  # the next batch comes while this one is applied
                         ahead = asyncio.ensure_future(sub.fetch(self.batch, timeout=self.idle_wait))
                 except TimeoutError:  # nothing to fetch
@@ -196,7 +197,7 @@ class Consumer:
                     await self._fetch_failed(e)
                     continue
                 self._pending(msgs)
-                behind = bool(msgs) and msgs[-1].metadata.num_pending > 0
+                behind = _behind(msgs)
                 if behind:
                     self._caught_up(False)
                 for group in [[m] for m in msgs] if self.alone else [msgs]:
@@ -353,6 +354,11 @@ class Consumer:
         """Consumer lag: how many messages the broker still holds for this consumer after the last one
         fetched (each JetStream message carries it), none once a fetch found nothing."""
         metrics.gauge("pending", msgs[-1].metadata.num_pending if msgs else 0, consumer=self.durable)
+
+
+def _behind(msgs: list[Msg]) -> bool:
+    """Whether the broker held more for the consumer when the last of `msgs` was delivered."""
+    return bool(msgs) and msgs[-1].metadata.num_pending > 0
 
 
 def _fetched(fetch: asyncio.Future[list[Msg]]) -> bool:
