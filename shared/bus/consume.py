@@ -179,7 +179,8 @@ class Consumer:
                         ahead = asyncio.ensure_future(sub.fetch(self.batch, timeout=self.idle_wait))
                     msgs = await ahead
                     ahead = None
-                    linger = self.linger > 0 and 1 < len(msgs) < self.batch // 4 and not _behind(msgs)
+                    behind = bool(msgs) and msgs[-1].metadata.num_pending > 0
+                    linger = self.linger > 0 and 1 < len(msgs) and small(len(msgs), self.batch) and not behind
                     if not self.alone and not linger:  # the next batch comes while this one is applied
                         ahead = asyncio.ensure_future(sub.fetch(self.batch, timeout=self.idle_wait))
                 except TimeoutError:  # nothing to fetch
@@ -197,7 +198,6 @@ class Consumer:
                     await self._fetch_failed(e)
                     continue
                 self._pending(msgs)
-                behind = _behind(msgs)
                 if behind:
                     self._caught_up(False)
                 for group in [[m] for m in msgs] if self.alone else [msgs]:
@@ -356,9 +356,10 @@ class Consumer:
         metrics.gauge("pending", msgs[-1].metadata.num_pending if msgs else 0, consumer=self.durable)
 
 
-def _behind(msgs: list[Msg]) -> bool:
-    """Whether the broker held more for the consumer when the last of `msgs` was delivered."""
-    return bool(msgs) and msgs[-1].metadata.num_pending > 0
+def small(n: int, batch: int) -> bool:
+    """Whether `n` messages are few enough of a full `batch` to linger after (consumers and outbox relays
+    alike): under a quarter; a larger batch has a backlog behind it, and what comes next goes at once."""
+    return n < batch // 4
 
 
 def _fetched(fetch: asyncio.Future[list[Msg]]) -> bool:

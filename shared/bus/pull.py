@@ -55,10 +55,9 @@ class Pull:
             await self.nc.publish(
                 self.next_subject, json.dumps(ask).encode(), reply=f"{self.inbox}.{self._request}"
             )
-            try:
-                await asyncio.wait_for(over, timeout + self.MARGIN)
-            except TimeoutError:
-                pass
+            with suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel (a stop)
+                async with asyncio.timeout(timeout + self.MARGIN):
+                    await over
         msgs, self._got = self._got[:batch], self._got[batch:]
         if not msgs:
             if self._error is not None:

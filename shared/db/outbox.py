@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from contextlib import suppress
 from pathlib import Path
 
 import asyncpg
@@ -20,6 +21,7 @@ from opentelemetry.trace import SpanKind
 
 from shared import metrics, telemetry
 from shared.bus import MSG_ID, BulkPublisher, msg_id_for
+from shared.bus.consume import small
 from shared.db.queries import queries
 from shared.messages import Model, encode_envelope
 
@@ -122,12 +124,11 @@ class OutboxRelay:
                 sent = 0
                 await asyncio.sleep(0.5)
             if sent < self.batch:
-                if self.linger and 0 < sent < self.batch // 4 and self.wake.is_set():  # company
+                if self.linger and 0 < sent and small(sent, self.batch) and self.wake.is_set():  # company
                     await asyncio.sleep(self.linger)  # more rows gather meanwhile
-                try:
-                    await asyncio.wait_for(self.wake.wait(), timeout=0.05)
-                except TimeoutError:
-                    pass
+                with suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel (a stop)
+                    async with asyncio.timeout(0.05):
+                        await self.wake.wait()
 
     async def drain_once(self) -> int:
         q = queries(OUTBOX)

@@ -282,9 +282,9 @@ async def test_power_loss_of_the_whole_rack() -> None:
     print(f"\nscale benchmark: {SLEDS} sleds, {INSTANCES} instances", flush=True)
     async with private_rack("scale", timeout=600, **UNLIMITED, **env) as (stack, client, db):
         quota = Quota(vcpus=10**7, ram_bytes=10**16, disk_bytes=10**17)
-        for s in range(-(-INSTANCES // SILO_SIZE)):
-            await client.silo_create(f"bench-{s}", quota=quota)
-            await client.project_create(f"bench-{s}", "p")
+        for silo in (silo_of(i) for i in range(0, INSTANCES, SILO_SIZE)):
+            await client.silo_create(silo, quota=quota)
+            await client.project_create(silo, "p")
 
         print("  creating", flush=True)
 
