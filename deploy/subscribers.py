@@ -96,7 +96,8 @@ async def _as_admin(rack: Rack, call: Callable[[JetStreamContext], Awaitable[T]]
     try:
         while True:
             try:
-                return await asyncio.wait_for(call(nc.jetstream()), 5.0)
+                async with asyncio.timeout(5.0):
+                    return await call(nc.jetstream())
             except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
                 if asyncio.get_running_loop().time() > deadline:
                     raise RuntimeError(

@@ -40,7 +40,8 @@ async def readiness() -> list[str]:
     failing = [] if serving else ["service: starting"]
     for name, fn in checks.items():
         try:
-            await asyncio.wait_for(fn(), TIMEOUT)
+            async with asyncio.timeout(TIMEOUT):
+                await fn()
         except TimeoutError:
             failing.append(f"{name}: no answer within {TIMEOUT:g}s")
         except Exception as e:
@@ -68,7 +69,8 @@ _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Unavai
 
 async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
         request, *fields = head.decode("latin-1").split("\r\n")
         method, path, *_ = [*request.split(" "), "", ""]
         path = path.split("?", 1)[0]

@@ -377,7 +377,8 @@ async def _store_all(publisher: BulkPublisher, messages: Bulk, timeout: float) -
         return await wire.store_all(publisher, messages, timeout)
     js = publisher.nc.jetstream()
     acks = [await FAULTS.publish_async(js, *m) for m in messages]
-    await asyncio.wait_for(asyncio.gather(*acks), timeout=timeout)
+    async with asyncio.timeout(timeout):
+        await asyncio.gather(*acks)
 
 
 async def _ack(msg: Msg) -> bool:

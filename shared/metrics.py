@@ -279,7 +279,8 @@ async def sample(timeout: float = 1.0) -> None:
     """Run every sampler, each within `timeout`; one that fails or is late leaves its gauges as they were."""
     for fn in _samplers:
         try:
-            await asyncio.wait_for(fn(), timeout)
+            async with asyncio.timeout(timeout):
+                await fn()
         except Exception as e:
             log.debug("sampler %s: %s", getattr(fn, "__qualname__", fn), e)
 

@@ -128,7 +128,8 @@ async def stop_gracefully(task: asyncio.Task[None]) -> None:
     from shared import bus
 
     with suppress(Exception):
-        await asyncio.wait_for(bus.stop_serving(STOP_GRACE), STOP_GRACE + 1)
+        async with asyncio.timeout(STOP_GRACE + 1):
+            await bus.stop_serving(STOP_GRACE)
     task.cancel()
 
 

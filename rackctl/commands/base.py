@@ -67,7 +67,8 @@ class Invocation:
     async def close(self) -> None:
         if self._client is not None:
             with contextlib.suppress(Exception):  # a broken connection must not hold the exit up
-                await asyncio.wait_for(self._client.close(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self._client.close()
 
     @property
     def remaining(self) -> float:

@@ -166,12 +166,17 @@ async def _names(prefix: str, depth: int, args: argparse.Namespace) -> list[str]
             await client.close()
 
 
+async def _names_within(prefix: str, depth: int, parsed_args: argparse.Namespace) -> list[str]:
+    async with asyncio.timeout(ASK_WITHIN * 2):
+        return await _names(prefix, depth, parsed_args)
+
+
 def names_completer(depth: int) -> Callable[..., list[str]]:
     """An argcomplete completer for SILO (1), SILO/PROJECT (2) or SILO/PROJECT/INSTANCE (3)."""
 
     def complete(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
         try:
-            return asyncio.run(asyncio.wait_for(_names(prefix, depth, parsed_args), ASK_WITHIN * 2))
+            return asyncio.run(_names_within(prefix, depth, parsed_args))
         except Exception:  # a completion that fails completes nothing, silently
             return []
 

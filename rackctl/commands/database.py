@@ -28,7 +28,8 @@ async def connect(args: argparse.Namespace) -> asyncpg.Connection:
     connect timeout."""
     within = min(CONNECT_TIMEOUT, args.timeout)
     try:
-        return await asyncio.wait_for(asyncpg.connect(args.database_url or check_database_url()), within)
+        async with asyncio.timeout(within):
+            return await asyncpg.connect(args.database_url or check_database_url())
     except TimeoutError:
         raise ConnectionError(f"cannot reach the database within {within:g}s") from None
     except (OSError, asyncpg.PostgresError) as e:

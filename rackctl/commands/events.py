@@ -172,7 +172,8 @@ class Names:
         self.asked[silo] = now
         try:
             client = await self.ctx.client()
-            views = await asyncio.wait_for(client.every(InstanceList(silo=silo)), 2.0)
+            async with asyncio.timeout(2.0):
+                views = await client.every(InstanceList(silo=silo))
         except bus.CommandError as e:
             self.off = e.code == "forbidden"  # this context may only follow (a subscriber's): ask no more
             return

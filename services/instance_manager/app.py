@@ -90,7 +90,8 @@ class App:
                     await e.wait()
 
         try:
-            await asyncio.wait_for(all_set(), INVENTORIES_FIRST)
+            async with asyncio.timeout(INVENTORIES_FIRST):
+                await all_set()
         except TimeoutError:
             telemetry.count(counter)
 

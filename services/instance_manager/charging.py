@@ -23,6 +23,7 @@ from shared import bus, telemetry
 from shared.db import OutboxRelay, enqueue_many
 from shared.messages import InstanceState, InstanceView, Model, Outcome, ProvisionDelta, ProvisionOutcome
 from shared.topology import subjects
+from shared.waits import woken
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +146,7 @@ class Charging:
                 # reconnecting wakes every waiter) only reads again.
                 deadline = time.monotonic() + wait
                 while (left := deadline - time.monotonic()) > 0:
-                    try:
-                        await asyncio.wait_for(waiter.heard.wait(), left)
-                    except TimeoutError:
+                    if not await woken(waiter.heard, left):
                         break
                     waiter.heard.clear()
                     if (known := await self._outcome(key, waiter)) is not None:
@@ -201,10 +200,9 @@ class Charging:
         for waiter in self._waiters.values():
             waiter.heard.set()
         while not lost.is_set():
-            try:
-                await asyncio.wait_for(lost.wait(), LISTEN_CHECK_EVERY)
-            except TimeoutError:
-                await asyncio.wait_for(conn.fetchval("SELECT 1"), LISTEN_CHECK_EVERY)
+            if not await woken(lost, LISTEN_CHECK_EVERY):
+                async with asyncio.timeout(LISTEN_CHECK_EVERY):
+                    await conn.fetchval("SELECT 1")
 
     def _outcome_heard(self, conn: object, pid: int, channel: str, payload: str) -> None:
         instance_id, _, generation = payload.partition(":")

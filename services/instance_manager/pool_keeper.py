@@ -24,6 +24,7 @@ from shared.messages import (
     AutoRestart,
     PoolView,
 )
+from shared.waits import woken
 
 log = logging.getLogger(__name__)
 MAX_STARTS_PER_PASS = 32
@@ -79,10 +80,7 @@ class Keeper:
                 log.warning("pool keeper pass failed: %s", e)
                 telemetry.count("pool.keeper_errors")
             self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.interval)
-            except TimeoutError:
-                pass
+            await woken(self.wake, self.interval)
 
     async def keep(self, pool: uuid.UUID) -> None:
         """One pass over one pool, level-triggered: what its members are meant to be (intended_state)

@@ -48,6 +48,7 @@ from shared.messages import (
 )
 from shared.messages.orders import LOST_BATCH, shows_awaited
 from shared.topology import subjects
+from shared.waits import woken
 
 log = logging.getLogger(__name__)
 SOURCE = "recovery"
@@ -119,10 +120,7 @@ class Reconciler:
             except Exception as e:
                 log.warning("reconcile pass (%s) failed: %s", name, e)
                 telemetry.count(f"reconcile.{name}.pass_errors")
-            try:
-                await asyncio.wait_for(wake.wait(), self.interval)
-            except TimeoutError:
-                pass
+            await woken(wake, self.interval)
 
     async def run_pass(self, name: str, step: Pass) -> dict[str, int] | None:
         """One pass of a reconciler, if no other replica is running one. Returns what it asked for."""

@@ -83,8 +83,8 @@ async def connect(
     if ca_file:
         options["tls"] = ssl.create_default_context(cafile=ca_file)
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(
+        async with asyncio.timeout(retry_for):
+            nc = await nats.connect(
                 servers(url),
                 name=name,
                 max_reconnect_attempts=-1,
@@ -95,9 +95,7 @@ async def connect(
                 reconnected_cb=on_reconnect,
                 closed_cb=on_close,
                 **options,
-            ),
-            retry_for,
-        )
+            )
     except (TimeoutError, OSError, nats.errors.Error) as e:
         why = last_error[0] if last_error else e
         if "Authorization" in str(why):

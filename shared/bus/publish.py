@@ -24,6 +24,7 @@ from shared import telemetry
 from shared.bus.errors import PublishFailed
 from shared.bus.wire import WIRE, Bulk
 from shared.messages import Envelope, Model, encode, envelope
+from shared.waits import woken
 
 MSG_ID = "Nats-Msg-Id"
 TTL_HEADER = "Nats-TTL"
@@ -124,13 +125,8 @@ class BulkPublisher:
         self._done.clear()
         for i, (subject, payload, headers) in enumerate(messages):
             await self.nc.publish(subject, payload, reply=f"{self.inbox}.{self._round}.{i}", headers=headers)
-        try:
-            if self._waiting:
-                await asyncio.wait_for(self._done.wait(), timeout)
-        except TimeoutError:
-            raise PublishFailed(
-                f"{len(self._waiting)} of {len(messages)} not acked in {timeout:g}s"
-            ) from None
+        if self._waiting and not await woken(self._done, timeout):
+            raise PublishFailed(f"{len(self._waiting)} of {len(messages)} not acked in {timeout:g}s")
         if self._refused is not None:
             raise PublishFailed(self._refused)
 

@@ -181,7 +181,8 @@ async def stop_serving(within: float) -> None:
     deadline = asyncio.get_running_loop().time() + within
     for sub, _ in serving:
         with suppress(Exception):  # the connection gone already: nothing more comes
-            await asyncio.wait_for(sub.drain(), max(deadline - asyncio.get_running_loop().time(), 0.1))
+            async with asyncio.timeout_at(max(deadline, asyncio.get_running_loop().time() + 0.1)):
+                await sub.drain()
     in_hand = {t for _, tasks in serving for t in tasks}
     if in_hand:
         log.info("stopping: answering the %d command(s) in hand", len(in_hand))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from contextlib import suppress
 from pathlib import Path
 
 import asyncpg
@@ -24,6 +23,7 @@ from shared.bus import MSG_ID, BulkPublisher, msg_id_for
 from shared.bus.consume import small
 from shared.db.queries import queries
 from shared.messages import Model, encode_envelope
+from shared.waits import woken
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,7 @@ class OutboxRelay:
             if sent < self.batch:
                 if self.linger and 0 < sent and small(sent, self.batch) and self.wake.is_set():  # company
                     await asyncio.sleep(self.linger)  # more rows gather meanwhile
-                with suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel (a stop)
-                    async with asyncio.timeout(0.05):
-                        await self.wake.wait()
+                await woken(self.wake, 0.05)
 
     async def drain_once(self) -> int:
         q = queries(OUTBOX)

@@ -86,7 +86,8 @@ class InstanceCommands:
     async def _await_saga(self, saga_id: uuid.UUID, instance_id: uuid.UUID, verb: str) -> dict[str, Any]:
         """Answer once the saga ends (or after SAGA_REPLY_WAIT, with the instance as it is by then)."""
         try:
-            status = await asyncio.wait_for(self._saga_end(saga_id), SAGA_REPLY_WAIT)
+            async with asyncio.timeout(SAGA_REPLY_WAIT):
+                status = await self._saga_end(saga_id)
         except TimeoutError:
             status = Status.running
         if status is Status.failed:

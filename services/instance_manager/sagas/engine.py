@@ -197,7 +197,8 @@ class Executor:
         for task in list(self._running.values()):
             task.cancel()
         try:
-            await asyncio.wait_for(self.pool.execute(SQL["leases_release"], self.owner), 2.0)
+            async with asyncio.timeout(2.0):
+                await self.pool.execute(SQL["leases_release"], self.owner)
         except Exception as e:  # they expire on their own
             log.info("saga leases not released (%s): they expire within %gs", e, LEASE)
 
