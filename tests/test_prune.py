@@ -115,6 +115,14 @@ async def test_old_rows_go_and_what_the_fences_need_stays() -> None:
             await asyncio.sleep(RETENTION + 3)  # every record is past the retention, and a pass has run since
             await eventually(lambda: counter(client, "instance-manager", "pruned.vmms"), timeout=15)
             after = {n: await rows(admin, i) for n, i in ids.items()}
+            # The delete's change of the silo's instance count, which no create came to fold, is folded.
+            unfolded = await admin.fetchval(
+                "SELECT count(*) FROM instance_manager.silo_instance_changes c "
+                "JOIN instance_manager.silos s ON s.id = c.silo_id WHERE s.name = $1",
+                silo,
+            )
+            assert unfolded == 0
+            assert await counter(client, "instance-manager", "pruned.silo_instance_changes") > 0
 
             # Finished sagas and their events are gone; the unfinished one stays.
             for n in ("cycled", "runs", "gone"):

@@ -49,6 +49,13 @@ async def reservations_match_vmms(conn: asyncpg.Connection) -> list[str]:
     ]
 
 
+async def silo_counts_match_instances(conn: asyncpg.Connection) -> list[str]:
+    """Each silo's count of its live instances, which its instance limit is checked against at every
+    create, is the number of its instances that are not destroyed."""
+    rows = await conn.fetch(Q["silo_counts_drifted"])
+    return [f"silo {r['name']} counts {r['counted']} live instances, holds {r['live']}" for r in rows]
+
+
 async def one_live_vmm(conn: asyncpg.Connection) -> list[str]:
     """No instance has two live VMMs outside a migration (where the second is its migration target)."""
     rows = await conn.fetch(Q["instances_with_two_live_vmms"])
@@ -164,6 +171,7 @@ ALWAYS = (
     totals_match_ledger,
     totals_never_negative,
     quotas_respected,
+    silo_counts_match_instances,
     one_live_vmm,
     claimed_vmms_live,
     no_saga_run_twice,

@@ -115,3 +115,18 @@ SELECT table_schema,
               query_to_xml(format('SELECT count(*) AS n FROM %I.outbox', table_schema), false, true, '')
        ))[1]::text::bigint AS held
 FROM information_schema.tables WHERE table_name = 'outbox' ORDER BY 1;
+
+-- name: silo_counts_drifted
+-- A silo's count of live instances (migration 015: folded, plus the changes not folded yet) against its
+-- instances, where they differ.
+SELECT s.name, coalesce(f.live, 0) + coalesce(c.changes, 0) AS counted, coalesce(i.live, 0) AS live
+FROM instance_manager.silos s
+LEFT JOIN instance_manager.silo_instance_counts f ON f.silo_id = s.id
+LEFT JOIN (SELECT silo_id, sum(change) AS changes FROM instance_manager.silo_instance_changes GROUP BY silo_id) c
+    ON c.silo_id = s.id
+LEFT JOIN (
+    SELECT p.silo_id, count(*) AS live
+    FROM instance_manager.instances i JOIN instance_manager.projects p ON p.id = i.project_id
+    WHERE i.state <> 'destroyed' GROUP BY p.silo_id
+) i ON i.silo_id = s.id
+WHERE coalesce(f.live, 0) + coalesce(c.changes, 0) <> coalesce(i.live, 0);

@@ -17,6 +17,9 @@ held long):
 Kept for good: instances (their generations are the fences), failures (the evidence the checker holds
 against the sleds' boot history) and pending charges (each goes when its outcome arrives). One replica
 prunes at a time.
+
+A pass also folds each silo's changes of its instance count into the count (migration 015): a create
+folds its own silo's, so those of a silo where nothing but pools and deletes happen would pile up.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import asyncpg
 
+from services.instance_manager.base import Q
 from shared import telemetry
 from shared.db import PassLock, queries
 
@@ -87,6 +91,7 @@ class Pruner:
             pruned["vmms"] = await self.vmms(cutoff)
             replies_cutoff = await self.pool.fetchval(SQL["cutoff"], min(self.retention, REPLIES_KEPT))
             pruned["command_replies"] = await self.command_replies(replies_cutoff)
+            pruned["silo_instance_changes"] = await self.silo_instance_changes()
         for table, n in pruned.items():
             if n:
                 telemetry.count(f"pruned.{table}", n)
@@ -149,3 +154,14 @@ class Pruner:
             return _deleted(await self.pool.execute(SQL["vmms_delete"], cutoff, self.chunk))
 
         return await self._in_chunks(self.chunk, step)
+
+    async def silo_instance_changes(self) -> int:
+        """Fold each silo's changes of its instance count, as a create does, under the silo's lock; a silo
+        a create holds is left to it. How many changes were folded."""
+        silos = [r["silo_id"] for r in await self.pool.fetch(SQL["silos_with_instance_changes"], self.chunk)]
+        folded = 0
+        for silo in silos:
+            async with self.pool.acquire() as conn, conn.transaction():
+                if await conn.fetchval(SQL["silo_lock_to_fold"], silo) is not None:
+                    folded += (await conn.fetchrow(Q["silo_instances_count"], silo))["folded"]
+        return folded

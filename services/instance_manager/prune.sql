@@ -63,3 +63,12 @@ WHERE id IN (
 -- sends a command again within its own timeout, seconds after the first.
 DELETE FROM command_replies
 WHERE request_id IN (SELECT request_id FROM command_replies WHERE created_at < $1 LIMIT $2);
+
+-- name: silos_with_instance_changes
+-- Silos whose instance count has changes not folded yet (migration 015), $1 at most.
+SELECT DISTINCT silo_id FROM silo_instance_changes LIMIT $1;
+
+-- name: silo_lock_to_fold
+-- The silo's row, locked as a create locks it (silo_lock_limits), unless a create holds it: that create
+-- folds the silo's changes itself.
+SELECT id FROM silos WHERE id = $1 FOR NO KEY UPDATE SKIP LOCKED;

@@ -546,10 +546,25 @@ SELECT name, command_rate FROM silos WHERE command_rate IS NOT NULL AND deleted_
 SELECT count(*) FROM projects WHERE silo_id = $1 AND deleted_at IS NULL;
 
 -- name: silo_instances_count
--- The silo's instances that are not destroyed (warm-pool VMs included: each is a VM of the silo's). A
--- create's saga inserts its instance in the create's own transaction (its first step), under the lock.
-SELECT count(*) FROM instances i JOIN projects p ON p.id = i.project_id
-WHERE p.silo_id = $1 AND i.state <> 'destroyed';
+-- The silo's instances that are not destroyed (warm-pool VMs included: each is a VM of the silo's), for a
+-- transaction holding the silo's lock (a create; the pruner): the changes recorded since the last fold
+-- (migration 015) folded into its count, and how many were. A create's saga inserts its instance in the
+-- create's own transaction (its first step), so the new one is counted; a change another transaction
+-- has not committed yet stays for the next fold.
+WITH folded AS (
+    DELETE FROM silo_instance_changes WHERE silo_id = $1 RETURNING change
+), sums AS (
+    SELECT coalesce(sum(change), 0) AS change, count(*) AS n FROM folded
+)
+INSERT INTO silo_instance_counts AS c (silo_id, live)
+SELECT $1, change FROM sums
+ON CONFLICT (silo_id) DO UPDATE SET live = c.live + EXCLUDED.live
+RETURNING c.live, (SELECT n FROM sums) AS folded;
+
+-- name: silo_instances_live
+-- silo_instances_count without the silo's lock, for `silo show`: what is folded, and what is not yet.
+SELECT coalesce((SELECT live FROM silo_instance_counts WHERE silo_id = $1), 0)
+     + coalesce((SELECT sum(change) FROM silo_instance_changes WHERE silo_id = $1), 0);
 
 -- name: silo_pool_members_count
 -- The warm-pool VMs the silo's live pools are meant to keep, but the pool named $2/$3 (a resize

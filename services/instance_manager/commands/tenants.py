@@ -74,7 +74,7 @@ class TenantCommands:
                 raise bus.NotFound(f"no silo {body.silo}")
             used = {
                 "projects": await conn.fetchval(Q["silo_projects_count"], silo["id"]),
-                "instances": await conn.fetchval(Q["silo_instances_count"], silo["id"]),
+                "instances": await conn.fetchval(Q["silo_instances_live"], silo["id"]),
                 "pool_members": await conn.fetchval(Q["silo_pool_members_count"], silo["id"], "", ""),
             }
         own = {k: silo[c] is not None for k, c in limits.COLUMNS.items()}
