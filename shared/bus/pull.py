@@ -55,7 +55,7 @@ class Pull:
             await self.nc.publish(
                 self.next_subject, json.dumps(ask).encode(), reply=f"{self.inbox}.{self._request}"
             )
-            with suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel (a stop)
+            with suppress(TimeoutError):  # not wait_for (shared.waits says why)
                 async with asyncio.timeout(timeout + self.MARGIN):
                     await over
         msgs, self._got = self._got[:batch], self._got[batch:]
