@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
 import sys
 import time
 import uuid
@@ -23,13 +22,6 @@ from shared.messages import Model, Paged, schema_of
 from shared.topology import subjects
 
 SOURCE = "rackctl"
-RETRY_AFTER = re.compile(r"\bretry after (\d+) ms\b")
-RETRIED = ("limited", "busy")
-"""Refusals that say when to come back: a command past its silo's or identity's rate (`limited`), or one
-instance-manager has no room for yet (`busy`); neither did anything, so sending it again is safe."""
-JITTER = 0.5
-"""A retry waits the time it was told plus up to this fraction more, at random: callers limited together
-do not all come back in the same millisecond."""
 ATTEMPT_SHARE, ATTEMPT_MOST = 0.5, 12.0
 """One send waits at most this share of the client's timeout for its reply (the rest is for sending it
 again), and never longer than ATTEMPT_MOST seconds: a service answers every command it holds within 10 s
@@ -48,14 +40,7 @@ RECONNECT_POLL = 0.2
 
 def resend_after(n: int) -> float:
     """Seconds to wait before the `n`th resend (from 0) of a command whose reply did not come."""
-    return min(RESEND_FIRST * 2**n, RESEND_MOST) * (1 + random.uniform(0, JITTER))
-
-
-def retry_after(e: bus.CommandError) -> float | None:
-    """Seconds to wait before sending a refused command again (jitter included), or None if it is not to
-    be sent again."""
-    m = RETRY_AFTER.search(e.message) if e.code in RETRIED else None
-    return None if m is None else int(m[1]) / 1000 * (1 + random.uniform(0, JITTER))
+    return min(RESEND_FIRST * 2**n, RESEND_MOST) * (1 + random.uniform(0, bus.JITTER))
 
 
 class CommandSender:
@@ -141,7 +126,7 @@ class CommandSender:
     def _retry_or_raise(self, e: bus.CommandError, deadline: float, said_busy: bool) -> float:
         """Seconds to wait before sending again a command refused with `retry after N ms`; raise `e` if it
         said no such thing, or if that would pass the deadline. A `busy` one says so, once a command."""
-        wait = retry_after(e)
+        wait = bus.retry_after(e)
         if wait is None or time.monotonic() + wait > deadline:
             raise e
         if e.code == "busy" and not said_busy:  # once a command: a burst's caller sees why it waits

@@ -106,3 +106,40 @@ def test_busy_is_the_backlog_over_the_measured_rate() -> None:
     ms, in_hand, rate = sagas.busy(starting=800 - 49) or (0, 0, 0.0)
     assert in_hand == 800 and rate >= 200 and 0 < ms <= 2000, (ms, in_hand, rate)
     assert sagas.busy(starting=10) is None  # 400 finished in the last second: room for 800
+
+
+async def test_restart_orders_past_the_backlog_are_told_busy_and_asked_again(rack: Rack) -> None:
+    """After a power loss, recovery's restarts wait in recovery, not as sagas begun (and charged) in
+    instance-manager: past the backlog of sagas nobody waits for, a restart order is refused `busy` at
+    once, and recovery orders it again when told. With accounting stopped no restart can finish, so the
+    sagas in hand stay at the backlog (0.1 s at 25 a second: 3) while every other order is refused."""
+    stack, client, db = rack
+    silo = "restarts"
+    await client.silo_create(silo)
+    await client.project_create(silo, "p")
+    names = [f"r-{i}" for i in range(16)]
+    for n in names:
+        await client.instance_create(silo, "p", n, vcpus=1, ram_bytes=GiB, disk_bytes=GiB)
+        await client.instance("start", silo, "p", n)
+    busy_before = await counter(client, "recovery", "reconcile.restart_busy")
+
+    stack.services["accounting"].stop()
+    await client.sim_rack_reboot()
+
+    async def restarts_told_busy() -> bool:
+        return await counter(client, "recovery", "reconcile.restart_busy") > busy_before + 10
+
+    await eventually(restarts_told_busy, timeout=30)
+    in_hand = (
+        "SELECT count(*) FROM instance_manager.sagas WHERE kind = 'instance-start' AND status = 'running'"
+    )
+    assert await db.fetchval(in_hand) <= 3
+
+    restart_service(stack, "accounting")
+    mine = "SELECT count(*) FROM instance_manager.instances WHERE name = any($1) AND state = 'running'"
+
+    async def all_back() -> bool:
+        return await db.fetchval(mine, names) == len(names)
+
+    await eventually(all_back, timeout=60)
+    await assert_invariants(db)

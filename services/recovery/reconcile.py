@@ -263,14 +263,22 @@ class Reconciler:
     # --- asking instance-manager ---
 
     async def _ask(self, subject: str, body: Model, what: str) -> None:
-        try:
-            await bus.request(self.nc, subject, body, source=SOURCE, timeout=10)
-            telemetry.count(f"reconcile.{what}")
-        except bus.CommandError as e:
-            # `stale` means our picture was behind (the user acted, another pass did, an event is yet to
-            # come): the next pass, with fresher events, decides again
-            telemetry.count(f"reconcile.{what}_{e.code}")
-            log.info("%s %s: %s", what, body, e.message)
+        while True:
+            try:
+                await bus.request(self.nc, subject, body, source=SOURCE, timeout=10)
+                telemetry.count(f"reconcile.{what}")
+                return
+            except bus.CommandError as e:
+                telemetry.count(f"reconcile.{what}_{e.code}")
+                # `busy`: instance-manager holds a backlog of restarts; asked again when it says, so that
+                # restarts go at the pace it finishes them (the orders wait here, not in its tables)
+                if (wait := bus.retry_after(e)) is not None:
+                    await asyncio.sleep(wait)
+                    continue
+                # `stale` means our picture was behind (the user acted, another pass did, an event is yet
+                # to come): the next pass, with fresher events, decides again
+                log.info("%s %s: %s", what, body, e.message)
+                return
 
     async def _ask_all(self, requests: Iterable[tuple[str, Model, str]]) -> None:
         sem = asyncio.Semaphore(CONCURRENCY)

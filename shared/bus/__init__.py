@@ -18,6 +18,7 @@ from shared.bus.connect import Denials, connect, servers, unless_denied
 from shared.bus.consume import BatchHandler, Consumer, Delivery, Handler, each
 from shared.bus.deadletter import DLQ_TRUNCATED, dead_letter
 from shared.bus.errors import (
+    JITTER,
     CommandError,
     Conflict,
     FetchFailed,
@@ -26,6 +27,7 @@ from shared.bus.errors import (
     PublishFailed,
     Reject,
     Retry,
+    retry_after,
 )
 from shared.bus.publish import (
     MSG_ID,
@@ -41,6 +43,7 @@ from shared.bus.rpc import REQUEST, CommandHandler, request, request_digest, ser
 
 __all__ = [
     "DLQ_TRUNCATED",
+    "JITTER",
     "MSG_ID",
     "REQUEST",
     "TTL_HEADER",
@@ -68,6 +71,7 @@ __all__ = [
     "publish",
     "request",
     "request_digest",
+    "retry_after",
     "serve",
     "servers",
     "stop_serving",

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import random
+import re
+
+RETRY_AFTER = re.compile(r"\bretry after (\d+) ms\b")
+RETRIED = ("limited", "busy")
+"""Refusals that say when to come back: a command past its silo's or identity's rate (`limited`), or one
+instance-manager has no room for yet (`busy`); neither did anything, so sending it again is safe."""
+JITTER = 0.5
+"""A retry waits the time it was told plus up to this fraction more, at random: callers refused together
+do not all come back in the same millisecond."""
+
 
 class CommandError(Exception):
     """A command that was understood and refused: the reply says why, in one line."""
@@ -51,3 +62,10 @@ class PublishFailed(Exception):
 
 class FetchFailed(Exception):
     """The broker ended a pull with an error (no such consumer, the consumer deleted): subscribe anew."""
+
+
+def retry_after(e: CommandError) -> float | None:
+    """Seconds to wait before sending a refused command again (jitter included), or None if it is not to
+    be sent again."""
+    m = RETRY_AFTER.search(e.message) if e.code in RETRIED else None
+    return None if m is None else int(m[1]) / 1000 * (1 + random.uniform(0, JITTER))

@@ -75,6 +75,8 @@ class Commands(TenantCommands, InstanceCommands, OrderCommands, SledCommands):
         )
         self._rates_task: asyncio.Task[None] | None = None
         self.starting = 0
+        self.restarting = 0
+        """Restart orders being begun: counted in hand with the sagas nobody waits for."""
         self._begins = asyncio.Semaphore(BEGINS_AT_ONCE)
         """Creates, starts and migrations not yet launched (waiting for a connection, or in `begin`):
         in hand as much as the sagas being driven, and counted with them by the backpressure."""

@@ -16,13 +16,14 @@ from services.instance_manager import lifecycle, limits, paging, replies
 from services.instance_manager.app import App
 from services.instance_manager.base import Q
 from services.instance_manager.pools import Pools
+from services.instance_manager.sagas import pace as pacing
 from services.instance_manager.sagas.create import CREATE, CreateParams
 from services.instance_manager.sagas.definition import Status
 from services.instance_manager.sagas.migrate import MIGRATE, MigrateParams
 from services.instance_manager.sagas.start import START, AlreadyRunning, StartParams
 from services.instance_manager.views import instance_reply, view
 from services.instance_manager.views import views as instance_views
-from shared import bus, telemetry
+from shared import bus
 from shared.messages import (
     InstanceCreate,
     InstanceDelete,
@@ -70,12 +71,7 @@ class InstanceCommands:
         starts in arrival order, and not in `admit`: a burst is admitted whole before any handler runs,
         so only here is the count of those ahead exact."""
         if refuse_busy and (busy := self.app.sagas.busy(self.starting)):
-            ms, in_hand, rate = busy
-            telemetry.count("commands.busy")
-            raise bus.CommandError(
-                "busy",
-                f"busy: retry after {ms} ms ({in_hand} sagas in hand, {rate:.0f} finished a second)",
-            )
+            raise pacing.refusal(*busy)
         self.starting += 1
         try:
             async with self._begins, self.app.pool.acquire() as conn:

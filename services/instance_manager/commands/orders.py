@@ -10,6 +10,7 @@ from nats.aio.msg import Msg
 
 from services.instance_manager import lifecycle, orders
 from services.instance_manager.app import App
+from services.instance_manager.sagas import pace as pacing
 from services.instance_manager.sagas.start import START, AlreadyRunning, StartParams
 from shared import bus
 from shared.db import GroupCommit
@@ -30,19 +31,29 @@ class OrderCommands:
     """The handlers of recovery's orders (`rp.cmd._fleet.vmm.*`, `instance.restart`, `instance.settle`)."""
 
     app: App
+    restarting: int
     lost_orders: GroupCommit[VmmLostV2, dict[uuid.UUID, str]]
     """Lost orders come one a sled: after a rack's power loss, thousands at once."""
 
     async def instance_restart(self, body: InstanceRestart, msg: Msg) -> dict[str, Any]:
+        """Begin a start saga that runs in the background; refused `busy` at once, having done nothing,
+        while this replica holds more such sagas than it finishes in RACKPLANE_SAGA_BACKLOG seconds
+        (recovery waits the time it is told and orders it again)."""
+        if busy := self.app.sagas.busy(self.restarting, waited_for=False):
+            raise pacing.refusal(*busy)
         params = StartParams(instance_id=body.instance_id, expected_generation=body.generation)
-        async with self.app.pool.acquire() as conn:
-            try:
-                async with conn.transaction():
-                    saga_id = await self.app.sagas.begin(conn, START, params)
-            except AlreadyRunning:
-                raise orders.Stale("restart", "instance is already running") from None
+        self.restarting += 1  # counted in hand from here: orders that come meanwhile see it
+        try:
+            async with self.app.pool.acquire() as conn:
+                try:
+                    async with conn.transaction():
+                        saga_id = await self.app.sagas.begin(conn, START, params)
+                except AlreadyRunning:
+                    raise orders.Stale("restart", "instance is already running") from None
+            self.app.sagas.launch(saga_id)
+        finally:
+            self.restarting -= 1
         self.app.relay.kick()
-        self.app.sagas.launch(saga_id)
         return {"saga_id": str(saga_id)}
 
     async def instance_settle(self, body: InstanceSettle, msg: Msg) -> dict[str, Any]:

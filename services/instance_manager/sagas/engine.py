@@ -21,7 +21,9 @@ Guarantees:
   a process, the rest wait their turn before their second step; a user's command never waits behind
   them (docs/architecture.md, "Sagas take turns"). Saga steps have connections of their own.
 - The sagas callers wait for are counted in hand (`active`), and every saga's end in the pace (pace.py):
-  `busy` refuses a new one at once rather than leave it to time out.
+  `busy` refuses a new one at once rather than leave it to time out. Restart orders are held to the same
+  backlog, counted over the sagas nobody waits for: begun by the ten thousand after a power loss, each
+  would be charged and hold a lease while it waited its turn.
 - After a crash, `resume` picks up every unfinished saga. A saga runs in one process at a time, under
   a lease kept in its row (`lease_owner`, `lease_until`), not under anything a connection holds: the
   lease is taken only when free or expired, renewed while the process runs (one statement for all its
@@ -220,12 +222,14 @@ class Executor:
         async with self._turns:
             return await self._run_now(saga_id)
 
-    def busy(self, starting: int = 0) -> tuple[int, int, float] | None:
+    def busy(self, starting: int = 0, *, waited_for: bool = True) -> tuple[int, int, float] | None:
         """Backpressure: None while the sagas in hand (those callers wait for, plus `starting`: commands
         about to begin one) are fewer than this replica finishes (of every kind) in
         RACKPLANE_SAGA_BACKLOG seconds at its measured rate; else (milliseconds until they would be, sagas
-        in hand, rate)."""
-        return pacing.busy(self.pace, self._promised, self.active + starting, self.backlog, time.monotonic())
+        in hand, rate). `waited_for=False` counts the sagas nobody waits for instead (a restart order's):
+        they take turns apart from callers' (AT_ONCE), so each kind is held to the backlog on its own."""
+        in_hand = self.active if waited_for else len(self._running) - self.active
+        return pacing.busy(self.pace, self._promised, in_hand + starting, self.backlog, time.monotonic())
 
     async def _run_waited(self, saga_id: uuid.UUID) -> Status:
         """A saga a caller waits for, counted in hand (`active`) while it runs."""

@@ -7,6 +7,8 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from shared import bus, telemetry
+
 BUSY_PRIOR_RATE = 25.0
 """Sagas a second a replica is taken to finish until it has measured more (the bench measures 40 to 96 on
 two shared cores): a replica that has just started, or was idle, takes this times RACKPLANE_SAGA_BACKLOG
@@ -61,3 +63,11 @@ def busy(
     wait = min(max((excess + ahead + 1) / rate, BUSY_RETRY_LEAST), backlog)
     bisect.insort(promised, now + wait)
     return math.ceil(wait * 1000), in_hand, rate
+
+
+def refusal(ms: int, in_hand: int, rate: float) -> bus.CommandError:
+    """The answer to a command `busy` refused (a start, create or migrate; a restart order), counted."""
+    telemetry.count("commands.busy")
+    return bus.CommandError(
+        "busy", f"busy: retry after {ms} ms ({in_hand} sagas in hand, {rate:.0f} finished a second)"
+    )
