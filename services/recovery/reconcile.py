@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -242,14 +243,7 @@ class Reconciler:
                     waiting += 1
             else:
                 settle.append(r)
-        await self._ask_all(
-            (
-                subjects.command(None, "instance", "restart"),
-                InstanceRestart(instance_id=r["id"], generation=r["generation"]),
-                "restart",
-            )
-            for r in restart
-        )
+        # settles first: they are never refused busy, and restarts may wait their turn
         await self._ask_all(
             (
                 subjects.command(None, "instance", "settle"),
@@ -258,21 +252,33 @@ class Reconciler:
             )
             for r in settle
         )
+        restarts = (
+            (
+                subjects.command(None, "instance", "restart"),
+                InstanceRestart(instance_id=r["id"], generation=r["generation"]),
+                "restart",
+            )
+            for r in restart
+        )
+        await self._ask_all(restarts, until=time.monotonic() + self.interval)
         return {"restart": len(restart), "settle": len(settle), "cooling_down": waiting}
 
     # --- asking instance-manager ---
 
-    async def _ask(self, subject: str, body: Model, what: str) -> None:
-        while True:
+    async def _ask(self, subject: str, body: Model, what: str, until: float | None = None) -> None:
+        """One order, answered or refused. One refused `busy: retry after N ms` (a restart past
+        instance-manager's backlog) is sent again after that time while `until` (monotonic) allows, so
+        that restarts go at the pace it finishes them and wait here, not in its tables; what is left at
+        `until` is not sent: the next pass looks again."""
+        while until is None or time.monotonic() < until:
             try:
                 await bus.request(self.nc, subject, body, source=SOURCE, timeout=10)
                 telemetry.count(f"reconcile.{what}")
                 return
             except bus.CommandError as e:
                 telemetry.count(f"reconcile.{what}_{e.code}")
-                # `busy`: instance-manager holds a backlog of restarts; asked again when it says, so that
-                # restarts go at the pace it finishes them (the orders wait here, not in its tables)
-                if (wait := bus.retry_after(e)) is not None:
+                wait = bus.retry_after(e)
+                if wait is not None and until is not None and time.monotonic() + wait < until:
                     await asyncio.sleep(wait)
                     continue
                 # `stale` means our picture was behind (the user acted, another pass did, an event is yet
@@ -280,11 +286,11 @@ class Reconciler:
                 log.info("%s %s: %s", what, body, e.message)
                 return
 
-    async def _ask_all(self, requests: Iterable[tuple[str, Model, str]]) -> None:
+    async def _ask_all(self, requests: Iterable[tuple[str, Model, str]], until: float | None = None) -> None:
         sem = asyncio.Semaphore(CONCURRENCY)
 
         async def one(subject: str, body: Model, what: str) -> None:
             async with sem:
-                await self._ask(subject, body, what)
+                await self._ask(subject, body, what, until)
 
         await asyncio.gather(*(one(*r) for r in requests))

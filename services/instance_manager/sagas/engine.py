@@ -109,6 +109,8 @@ class Executor:
     """How often it looks for unfinished sagas no process runs (RACKPLANE_SAGA_RESUME_INTERVAL)."""
     _promised: list[float] = field(default_factory=list)
     """When the callers told `busy` were told to come back (monotonic, sorted; past ones forgotten)."""
+    _promised_background: list[float] = field(default_factory=list)
+    """The same for restart orders: each kind's line is its own."""
     _together: Together = field(init=False)
     _begun: dict[uuid.UUID, tuple[float, asyncpg.Record]] = field(default_factory=dict)
     """Sagas `begin` recorded, as their insert left them, until launched: their lease is this process's
@@ -229,7 +231,8 @@ class Executor:
         in hand, rate). `waited_for=False` counts the sagas nobody waits for instead (a restart order's):
         they take turns apart from callers' (AT_ONCE), so each kind is held to the backlog on its own."""
         in_hand = self.active if waited_for else len(self._running) - self.active
-        return pacing.busy(self.pace, self._promised, in_hand + starting, self.backlog, time.monotonic())
+        promised = self._promised if waited_for else self._promised_background
+        return pacing.busy(self.pace, promised, in_hand + starting, self.backlog, time.monotonic())
 
     async def _run_waited(self, saga_id: uuid.UUID) -> Status:
         """A saga a caller waits for, counted in hand (`active`) while it runs."""
