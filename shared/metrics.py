@@ -154,6 +154,7 @@ METRICS: dict[str, Metric] = {
     "sled.migrations_finished_on_resume": _c("Migrations finished when a frozen sled resumed", SA),
     "sled.migrations_timed_out": _c("Migrations timed out", SA),
     "sled.fault.command_dropped": _c("Simulated: commands dropped", SA),
+    "sled.fault.command_held": _c("Simulated: commands held back on the stream (hold_commands_seconds)", SA),
     "sled.fault.failed_start": _c("Simulated: VMM starts failed", SA),
     "sled.fault.dropped": _c("Simulated: reports dropped", SA),
     "sled.fault.delayed": _c("Simulated: reports delayed", SA),

@@ -192,8 +192,9 @@ async def test_an_overdue_automatic_restart_is_reported(rack: Rack) -> None:
 async def test_a_vmm_failed_as_stuck_though_its_sled_said_it_ran_is_reported(rack: Rack) -> None:
     """Finding 1: a start failed as stuck on a clock alone, while the sled's report that it ran was late,
     destroys a running VM. `no_running_vmm_called_stuck` names a stuck failure that has no inventory of
-    its sled as evidence, and one whose evidence comes after the sled's own report that the VMM ran in the
-    same boot; not one judged on a later boot's inventory (the VMM was gone with the boot it ran in)."""
+    its sled as evidence, one whose evidence comes after the sled's own report that the VMM ran in the
+    same boot, and one whose evidence comes before the sled took the order to run it (issue 33: an order
+    waiting unread); not one judged on a later boot's inventory (the VMM was gone with the boot it ran in)."""
     silo, proj = await new_project(rack.client)
     v = await running(rack, silo, proj, "late")
     vmm, sled, boot = uuid.UUID(v["active_vmm_id"]), v["sled_id"], v["vmm_boot_number"]
@@ -204,6 +205,7 @@ async def test_a_vmm_failed_as_stuck_though_its_sled_said_it_ran_is_reported(rac
     for proof_boot, proof_seq, said in (
         (boot, None, "as evidence: on a clock alone"),
         (boot, 2**40, "a late report, not a stuck VMM"),
+        (boot, 1, "an order waiting unread, not a stuck VMM"),
         (boot + 1, 1, None),
     ):
         await rack.admin.execute(record, uuid.UUID(v["id"]), vmm, sled, boot, proof_boot, proof_seq)

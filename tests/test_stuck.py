@@ -4,7 +4,9 @@ The transition timeout alone says that a report has not come, not that the VMM i
 reports are held past the timeout, while its inventories list the VMM running, has a late report, not a
 stuck VMM. Neither recovery nor instance-manager may then fail the start, nor call off a migration whose
 target already runs the instance (after the hand-over, its only copy). A start the sled never runs is
-still failed. Each test has a stack of its own, with a 3 s transition timeout.
+still failed. Nor is a start whose order waits unread on its sled's command stream, or that its sled has
+been booting for less than the timeout (issue 33: waiting is not failing). Each test has a stack of its
+own, with a 3 s transition timeout.
 """
 
 from __future__ import annotations
@@ -215,6 +217,69 @@ async def test_a_start_its_sled_never_runs_is_still_failed(rack: MakeRack) -> No
         assert await checker.no_running_vmm_called_stuck(conn, client.nc.jetstream()) == []
         proof = await conn.fetchrow("SELECT proof_boot_number, proof_seq FROM instance_manager.failures")
     assert proof["proof_boot_number"] == 1 and proof["proof_seq"] is not None, proof
+
+
+async def test_a_start_whose_order_waits_unread_past_the_timeout_runs(rack: MakeRack) -> None:
+    """The sled's command consumer lags: the order to run the VMM waits on its stream past the 3 s timeout
+    while its inventories, which do not list the VMM, flow. That is no evidence of anything: the start is
+    not failed, and runs on its VMM once the sled takes the order."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    await client.instance_create(
+        silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
+    )
+    await client.sim_faults(SimFaults(sled_id="sled-0", hold_commands_seconds=12))
+    starting = await client.instance("start", silo, proj, "vm")
+    body = await _stuck_body(client, silo, proj, starting)
+    answer = await eventually(lambda: _stale_with(stack, body, "has not taken the order"), timeout=15)
+    assert "it has read its commands up to" in answer, answer
+    held = await client.instance("show", silo, proj, "vm")
+    assert (held["state"], held["failed_at"]) == ("starting", None), held
+
+    await client.sim_faults(SimFaults(sled_id="sled-0"))  # the held order comes again within 12 s
+    running = await wait_state(client, silo, proj, "vm", "running", timeout=20)
+    assert running["active_vmm_id"] == starting["active_vmm_id"] and running["auto_restarts"] == 0, running
+    assert running["last_error"] is None and running["failed_at"] is None, running
+    await assert_invariants(db)
+
+
+async def test_a_start_its_sled_took_late_has_the_timeout_to_boot(rack: MakeRack) -> None:
+    """The order waits unread for 5 s, past the 3 s timeout, then the sled takes it and boots the VMM for
+    2.5 s: its inventories list it as starting, but only since the sled took the order, which is what the
+    timeout counts from on the sled's evidence. Not stuck; it runs."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="1", RACKPLANE_VMM_START_DELAY="2.5")
+    silo, proj = await new_project(client)
+    await client.instance_create(
+        silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
+    )
+    await client.sim_faults(SimFaults(sled_id="sled-0", hold_commands_seconds=5))
+    starting = await client.instance("start", silo, proj, "vm")
+    body = await _stuck_body(client, silo, proj, starting)
+    await eventually(lambda: _runs(client, "sled-0", 1), timeout=15)  # taken, and booting
+    await client.sim_faults(SimFaults(sled_id="sled-0"))
+    answer = await eventually(lambda: _stale_with(stack, body, "as starting only since"), timeout=2.5)
+    assert "not 3s" in answer, answer
+    running = await wait_state(client, silo, proj, "vm", "running", timeout=20)
+    assert running["auto_restarts"] == 0 and running["failed_at"] is None, running
+    await assert_invariants(db)
+
+
+async def _stuck_body(client: Client, silo: str, proj: str, starting: dict[str, Any]) -> VmmStuck:
+    vmm = starting["active_vmm_id"]
+    assert starting["state"] == "starting" and vmm is not None, starting
+    return VmmStuck(
+        instance_id=uuid.UUID(starting["id"]),
+        generation=(await client.instance("show", silo, proj, "vm"))["generation"],
+        vmm_id=uuid.UUID(vmm),
+        state="starting",
+    )
+
+
+async def _stale_with(stack: Stack, body: VmmStuck, words: str) -> str | None:
+    """The stuck order's answer if it is stale for the reason `words` tell (else None: not yet)."""
+    answer = await stuck_order(stack, body)
+    assert not answer.startswith("applied"), answer
+    return answer if words in answer else None
 
 
 async def _runs(client: Client, sled: str, n: int) -> bool:

@@ -66,11 +66,14 @@ async def no_running_vmm_called_stuck(conn: asyncpg.Connection, js: JetStreamCon
     messages, no clock) may say it was running. A failure without that evidence is a failure on a clock
     alone, which a late report turns into a running VM destroyed. A report of running from an earlier boot
     does not count: a VMM cannot outlive its sled's boot, so one judged on a later boot's inventory was
-    gone already, and its failure destroyed nothing."""
+    gone already, and its failure destroyed nothing. Nor may the sled's first report about the VMM (its
+    generation 1, sent as it takes the order to run it) come after that inventory: the order was then
+    still waiting unread on the sled's stream, and a VMM that waits is not stuck."""
     rows = await conn.fetch(Q["stuck_start_failures"])
     if not rows:
         return []
     ran: dict[tuple[uuid.UUID, int], int] = {}  # each VMM's earliest report of running in a boot: its seq
+    took: dict[tuple[uuid.UUID, int], int] = {}  # the seq of the report a sled sent as it took the order
     wanted = {r["vmm_id"] for r in rows}
     for sled in sorted({r["sled_id"] for r in rows}):
         async for msg in stored.messages(js, subjects.SLED_REPORT_STREAM, subjects.sled_report(sled, "vmm")):
@@ -79,9 +82,13 @@ async def no_running_vmm_called_stuck(conn: asyncpg.Connection, js: JetStreamCon
             except BadMessage:
                 continue
             assert isinstance(report, VmmReport)
-            if report.vmm_id in wanted and report.sled_id == sled and report.state is VmmState.running:
-                key = (report.vmm_id, report.boot_number)
+            if report.vmm_id not in wanted or report.sled_id != sled:
+                continue
+            key = (report.vmm_id, report.boot_number)
+            if report.state is VmmState.running:
                 ran[key] = min(ran.get(key, report.seq), report.seq)
+            if report.generation == 1:
+                took[key] = min(took.get(key, report.seq), report.seq)
     out = []
     for r in rows:
         what = f"VMM {r['vmm_id']} of instance {r['instance_id']} was failed at {r['at'].isoformat()}"
@@ -93,5 +100,11 @@ async def no_running_vmm_called_stuck(conn: asyncpg.Connection, js: JetStreamCon
                 f"{what} on {r['sled_id']}'s inventory (boot {r['proof_boot_number']}, seq "
                 f"{r['proof_seq']}), though the sled had reported it running before (boot "
                 f"{r['proof_boot_number']}, seq {seq}): a late report, not a stuck VMM"
+            )
+        elif (seq := took.get((r["vmm_id"], r["proof_boot_number"]))) is not None and seq > r["proof_seq"]:
+            out.append(
+                f"{what} on {r['sled_id']}'s inventory (boot {r['proof_boot_number']}, seq "
+                f"{r['proof_seq']}), made before the sled took the order to run it (seq {seq}): an "
+                "order waiting unread, not a stuck VMM"
             )
     return out

@@ -148,16 +148,22 @@ async def stuck(app: App, conn: asyncpg.Connection, order: VmmStuck) -> str:
 
 def _check_stuck(order: VmmStuck, evidence: asyncpg.Record, timeout: float) -> None:
     """A VMM is judged stuck only on its sled's evidence: the sled answers, was asked (to run it, or to
-    stop it) longer than the timeout ago by this service's clock, and its latest inventory, made longer
-    than the timeout after it was asked, does not show what the instance waits for (running; gone for a
-    stop). A start whose saga has not asked the sled yet is not stuck at all. An inventory that shows the
-    awaited state means the sled's report is late, not the VMM: for a migration, the target already runs
-    the instance (it may be its only copy), and is never destroyed for it."""
+    stop it) longer than the timeout ago by this service's clock, has taken that order off its stream,
+    and its latest inventory, made longer than the timeout after it was asked and after the VMM took the
+    state it lists (by the sled's clock), does not show what the instance waits for (running; gone for
+    a stop). A start whose saga has not asked the sled yet, or whose order waits unread behind others on
+    the sled's stream, is not stuck at all: waiting is not failing. An inventory that shows the awaited
+    state means the sled's report is late, not the VMM: for a migration, the target already runs the
+    instance (it may be its only copy), and is never destroyed for it."""
     sled, vmm_id = evidence["sled_id"], order.vmm_id
     if not evidence["answering"]:
         raise Stale("stuck", f"sled {sled} does not answer: its instances are unknown, not failed")
     if evidence["asked_at"] is None:
         raise Stale("stuck", f"sled {sled} has not been asked to run VMM {vmm_id} yet: it cannot be stuck")
+    if not evidence["read"]:
+        read, order_at = evidence["commands_read"], evidence["asked_seq"]
+        where = f"it has read its commands up to {read}, the order is {order_at} on the stream"
+        raise Stale("stuck", f"sled {sled} has not taken the order to run VMM {vmm_id} yet ({where})")
     if not evidence["overdue"]:
         since = f"for under {timeout:g}s since sled {sled} was asked"
         raise Stale("stuck", f"instance {order.instance_id} has been {order.state} {since}")
@@ -168,6 +174,11 @@ def _check_stuck(order: VmmStuck, evidence: asyncpg.Record, timeout: float) -> N
         shown, made = evidence["shown"], evidence["inventory_made_at"].isoformat()
         seen = f"lists VMM {vmm_id} as {shown}" if shown else f"no longer lists VMM {vmm_id}"
         raise Stale("stuck", f"sled {sled} {seen} (inventory made {made}): its report is late, not the VMM")
+    if not evidence["settled"]:
+        shown, since = evidence["shown"], evidence["shown_since"].isoformat()
+        raise Stale(
+            "stuck", f"sled {sled} lists VMM {vmm_id} as {shown} only since {since}: not {timeout:g}s"
+        )
 
 
 async def zombie(app: App, conn: asyncpg.Connection, order: VmmZombie) -> str:

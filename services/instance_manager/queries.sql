@@ -326,18 +326,22 @@ SELECT id, boot_number FROM sleds WHERE id = ANY($1::text[]) ORDER BY id FOR UPD
 -- sorted). The inventory fence: only a strictly newer (boot number, sequence) than the one held is
 -- written; returns the sleds written, with the boot number now held. The capacity is recorded as
 -- reported, even below what is reserved (a sled that shrank is overcommitted, never wedged). Each row
--- also keeps what a stuck order is judged on: when the sled made the inventory ($7) and the VMMs it
--- listed with their states ($8, a JSON object {vmm_id: state}).
+-- also keeps what a stuck order is judged on: when the sled made the inventory ($7), the VMMs it
+-- listed with their states ($8, a JSON object {vmm_id: state}) and since when by its clock ($10,
+-- {vmm_id: time}), and the last command it took from its stream ($9).
 INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vcpus, ram_bytes, inventory_made_at,
-                   inventory_vmms, last_seen_at)
-SELECT u.id, u.boot_id, u.boot_number, u.seq, u.vcpus, u.ram_bytes, u.made_at, u.vmms::jsonb, now()
+                   inventory_vmms, inventory_commands_read, inventory_since, last_seen_at)
+SELECT u.id, u.boot_id, u.boot_number, u.seq, u.vcpus, u.ram_bytes, u.made_at, u.vmms::jsonb, u.commands_read,
+       u.since::jsonb, now()
 FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[], $5::int[], $6::bigint[],
-            $7::timestamptz[], $8::text[]) AS u (id, boot_id, boot_number, seq, vcpus, ram_bytes, made_at, vmms)
+            $7::timestamptz[], $8::text[], $9::bigint[], $10::text[])
+    AS u (id, boot_id, boot_number, seq, vcpus, ram_bytes, made_at, vmms, commands_read, since)
 ORDER BY 1
 ON CONFLICT (id) DO UPDATE
 SET boot_id = EXCLUDED.boot_id, boot_number = EXCLUDED.boot_number, inventory_seq = EXCLUDED.inventory_seq,
     vcpus = EXCLUDED.vcpus, ram_bytes = EXCLUDED.ram_bytes, inventory_made_at = EXCLUDED.inventory_made_at,
-    inventory_vmms = EXCLUDED.inventory_vmms, last_seen_at = now()
+    inventory_vmms = EXCLUDED.inventory_vmms, inventory_commands_read = EXCLUDED.inventory_commands_read,
+    inventory_since = EXCLUDED.inventory_since, last_seen_at = now()
 WHERE (coalesce(sleds.boot_number, 0), coalesce(sleds.inventory_seq, -1))
       < (EXCLUDED.boot_number, EXCLUDED.inventory_seq)
 RETURNING id, boot_id, boot_number;
@@ -477,23 +481,32 @@ FROM sleds WHERE id = ANY($1::text[]);
 -- waited for and read: when the sled was asked (for a stop, when the instance began to stop: the stop
 -- goes out after that commit; NULL: not asked yet), whether that is over $3 seconds ago by this
 -- service's clock, whether the sled answers ($4 seconds), and its latest inventory: whether the sled
--- made it over $3 seconds after it was asked (by the sled's clock), and the VMM's state in it (NULL:
--- not listed).
+-- had taken the order to run the VMM off its stream (`read`; unknown counts as read), whether the sled
+-- made it over $3 seconds after it was asked and after the VMM took its state (by the sled's clock),
+-- and the VMM's state in it (NULL: not listed) and since when.
 SELECT s.id AS sled_id, s.last_seen_at > now() - make_interval(secs => $4) AS answering,
        s.boot_number, s.inventory_seq, s.inventory_made_at, s.inventory_vmms ->> v.id::text AS shown,
+       (s.inventory_since ->> v.id::text)::timestamptz AS shown_since,
+       v.asked_seq, s.inventory_commands_read AS commands_read,
+       coalesce(s.inventory_commands_read >= v.asked_seq, true) AS read,
        CASE WHEN i.state = 'stopping' THEN i.updated_at ELSE v.asked_at END AS asked_at,
        CASE WHEN i.state = 'stopping' THEN i.updated_at ELSE v.asked_at END
            < now() - make_interval(secs => $3) AS overdue,
        s.inventory_made_at > CASE WHEN i.state = 'stopping' THEN i.updated_at ELSE v.asked_at END
-                             + make_interval(secs => $3) AS judged
+                             + make_interval(secs => $3) AS judged,
+       coalesce(s.inventory_made_at > (s.inventory_since ->> v.id::text)::timestamptz
+                                      + make_interval(secs => $3), true) AS settled
 FROM vmms v JOIN instances i ON i.id = $2 JOIN sleds s ON s.id = v.sled_id
 WHERE v.id = $1
 FOR NO KEY UPDATE OF s;
 
 -- name: vmm_asked
 -- The VMM's sled has just been asked to run it (or, for a migration target, its source to hand over):
--- the transition timeout counts from now (the clock's, not the transaction's start).
-UPDATE vmms SET asked_at = clock_timestamp() WHERE id = $1 AND ended_at IS NULL;
+-- the transition timeout counts from now (the clock's, not the transaction's start). $2: the stream
+-- sequence the order to run it was stored at (NULL: the one recorded stands), which the sled's
+-- inventories tell it has read once they tell a later one.
+UPDATE vmms SET asked_at = clock_timestamp(), asked_seq = coalesce($2, asked_seq)
+WHERE id = $1 AND ended_at IS NULL;
 
 -- name: vmm_claimants
 -- Every instance that names the VMM as active or as its migration target, locked.

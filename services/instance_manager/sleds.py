@@ -21,6 +21,12 @@ from shared.topology import subjects
 GiB = 2**30
 
 
+def _since(inv: SledInventory) -> str | None:
+    """When each listed VMM took its state, by the sled's clock, as JSON (None: the sled does not say)."""
+    since = {str(v.vmm_id): v.since.isoformat() for v in inv.vmms if v.since is not None}
+    return json.dumps(since) if since else None
+
+
 async def apply_inventories(app: App, batch: list[bus.Delivery]) -> None:
     """Record the sleds' capacities and boots from a batch of inventories, in one transaction of four
     statements however large the batch (5,000 sleds report every few seconds). Fenced by (boot number,
@@ -32,7 +38,8 @@ async def apply_inventories(app: App, batch: list[bus.Delivery]) -> None:
     less than is reserved on it is recorded as it says (overcommitted: no placement fits it until VMMs
     end), rather than refused, which would leave its next boot unrecorded and its lost VMMs unfailed.
     The same row keeps the sled's evidence for stuck orders (orders.stuck): when the sled made the
-    inventory (its envelope's time) and each VMM it listed, with its state."""
+    inventory (its envelope's time), each VMM it listed with its state and since when, and the last
+    command it took."""
     invs = SledInventory.newest([d.body for d in batch])
     made = {(d.body.sled_id, d.body.boot_number, d.body.seq): d.env.time for d in batch}
     async with app.pool.acquire() as conn, conn.transaction():
@@ -48,6 +55,8 @@ async def apply_inventories(app: App, batch: list[bus.Delivery]) -> None:
             [i.ram_bytes for i in invs],
             [made[i.sled_id, i.boot_number, i.seq] for i in invs],
             [json.dumps({str(v.vmm_id): v.state.value for v in i.vmms}) for i in invs],
+            [i.commands_read for i in invs],
+            [_since(i) for i in invs],
         )
         await announce(
             app,

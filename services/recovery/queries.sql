@@ -67,15 +67,18 @@ ORDER BY 1;
 -- name: stuck
 -- Reconciler 1: instances starting, stopping or migrating for longer than the timeout ($1 s), each with
 -- the sled its awaited VMM is on (a migration's target's) and what that sled's latest inventory says:
--- whether it was made over the timeout after the instance's last change (`judged`: before that it is no
--- evidence), and the VMM's state in it (`shown`, NULL: not listed). Only sleds that still answer (an
+-- whether it was made over the timeout after the instance's last change and after the VMM took the
+-- state it lists there, by the sled's clock (`judged`: before that it is no evidence), and the VMM's
+-- state in it (`shown`, NULL: not listed). Whether the sled has read its order yet, instance-manager
+-- judges (it knows where the order waits on the stream). Only sleds that still answer (an
 -- inventory fresher than $2 s): a sled that went quiet is left alone, its instances' health unknown, not
 -- failed. The reconciler orders only those its picture judges stuck (orders.shows_awaited); a migration
 -- that takes too long is called off by losing its target (the instance runs on where it was).
 SELECT c.id, c.generation, c.state, c.vmm_id, c.vmm_sled_id,
-       coalesce(s.inventory_made_at > c.changed_at + make_interval(secs => $1), false) AS judged,
-       (SELECT v ->> 'state' FROM jsonb_array_elements(s.vmms) v
-        WHERE v ->> 'vmm_id' = c.vmm_id::text LIMIT 1) AS shown
+       coalesce(s.inventory_made_at > c.changed_at + make_interval(secs => $1)
+                AND s.inventory_made_at > coalesce(shown.since, '-infinity') + make_interval(secs => $1),
+                false) AS judged,
+       shown.state AS shown
 FROM (
     SELECT i.id, i.generation, i.state, i.changed_at,
            CASE WHEN i.state = 'migrating' THEN i.target_vmm_id ELSE i.active_vmm_id END AS vmm_id,
@@ -86,6 +89,10 @@ FROM (
       AND i.changed_at < now() - make_interval(secs => $1)
 ) c
 JOIN sleds s ON s.id = c.vmm_sled_id
+LEFT JOIN LATERAL (
+    SELECT v ->> 'state' AS state, (v ->> 'since')::timestamptz AS since
+    FROM jsonb_array_elements(s.vmms) v WHERE v ->> 'vmm_id' = c.vmm_id::text LIMIT 1
+) shown ON true
 WHERE s.last_inventory_at > now() - make_interval(secs => $2)
 ORDER BY c.id;
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from nats.aio.msg import Msg
 
 from services.sled_agent import identity
 from services.sled_agent.sled import SOURCE, Sled, Timing, rack_boots, read_rack_boots
-from shared import bus, topology
+from shared import bus, telemetry, topology
 from shared.config import Settings
 from shared.messages import (
     Envelope,
@@ -123,6 +124,8 @@ async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
     async def handle(env: Envelope, body: Any, msg: Msg) -> None:
         if not sled.reachable:
             raise bus.Retry("sled is frozen or cut off", delay=1.0)
+        if (held := _held_for(sled, msg)) > 0:
+            raise bus.Retry("the sled's commands are held (a fault)", delay=held)
         sled.naming = topology.sled_verb(schema_of(body)[0])  # crash point sled-agent:write:vmm.stop...
         try:
             if isinstance(body, VmmEnsure):
@@ -135,6 +138,7 @@ async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
                 await sled.destroy(body)
         finally:
             sled.naming = None
+        sled.commands_read = max(sled.commands_read or 0, msg.metadata.sequence.stream)
         sled.persist()
 
     await bus.Consumer(
@@ -147,6 +151,15 @@ async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
         idle_wait=idle_wait,
         ack_wait=ack_wait,
     ).run()
+
+
+def _held_for(sled: Sled, msg: Msg) -> float:
+    """Seconds the command must still wait under a `hold_commands_seconds` fault (0: take it now)."""
+    hold = sled.faults.hold_commands_seconds if sled.faults is not None else 0
+    left = hold - (time.time() - msg.metadata.timestamp.timestamp()) if hold else 0.0
+    if left > 0:
+        telemetry.count("sled.fault.command_held")
+    return left
 
 
 async def announce(sled: Sled) -> None:

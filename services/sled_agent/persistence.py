@@ -60,6 +60,7 @@ class Persistence:
     unsent: dict[uuid.UUID, VmmReport]
     capacity_vcpus: int | None
     capacity_ram_bytes: int | None
+    commands_read: int | None
     naming: str | None
     _changes: int
     _saved: int
@@ -118,6 +119,7 @@ class Persistence:
             "boot_number": self.boot_number,
             "seq_reserved": self.seq_reserved,
             "boots": self.boots,
+            "commands_read": self.commands_read,
             "vmms": [
                 {
                     "vmm_id": str(v.vmm_id),
@@ -126,6 +128,7 @@ class Persistence:
                     "ram_bytes": v.ram_bytes,
                     "state": v.state.value,
                     "generation": v.generation,
+                    "since": v.since,
                     "migrate_from": str(v.migrate_from) if v.migrate_from else None,
                     "target_sled_id": v.target_sled_id,
                     "target_vmm_id": str(v.target_vmm_id) if v.target_vmm_id else None,
@@ -166,6 +169,7 @@ class Persistence:
         sled.seq = sled.seq_reserved = state.get("seq_reserved", 0)  # never reuse one handed out before
         sled.boots = state.get("boots") or sled.boots
         sled.capacity_vcpus, sled.capacity_ram_bytes = state.get("capacity") or (None, None)
+        sled.commands_read = state.get("commands_read")
         for v in state["vmms"]:
             vmm = SimVmm(
                 uuid.UUID(v["vmm_id"]),
@@ -178,6 +182,7 @@ class Persistence:
                 target_sled_id=v.get("target_sled_id"),
                 target_vmm_id=uuid.UUID(v["target_vmm_id"]) if v.get("target_vmm_id") else None,
             )
+            vmm.since = v.get("since", vmm.since)
             sled.vmms[vmm.vmm_id] = vmm
         sled.ended = {uuid.UUID(v): None for v in state["ended"]}
         reports = (VmmReport.model_validate_json(r) for r in state.get("unsent", []))

@@ -8,6 +8,7 @@ import logging
 import random
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -36,6 +37,7 @@ class Reporting:
     reachable: bool
     reported_vcpus: int
     reported_ram_bytes: int
+    commands_read: int | None
     _changes: int
     _thawed: asyncio.Event
     _connected: asyncio.Event
@@ -136,10 +138,15 @@ class Reporting:
             ram_bytes=self.reported_ram_bytes,
             vmms=[
                 InventoryVmm(
-                    vmm_id=v.vmm_id, instance_id=v.instance_id, state=v.state, generation=v.generation
+                    vmm_id=v.vmm_id,
+                    instance_id=v.instance_id,
+                    state=v.state,
+                    generation=v.generation,
+                    since=datetime.fromtimestamp(v.since, UTC),
                 )
                 for v in self.vmms.values()
             ],
+            commands_read=self.commands_read,
         )
 
     async def publish_inventory(self) -> None:

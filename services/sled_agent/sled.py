@@ -80,6 +80,9 @@ class Sled(VmmMachine, Reporting, Persistence):
     capacity_vcpus: int | None = None
     capacity_ram_bytes: int | None = None
     """What the sled reports instead of `vcpus` and `ram_bytes` (made with), if set: rp.sim.sled.capacity."""
+    commands_read: int | None = 0
+    """The stream sequence of the last command taken (on disk with its effect; in every inventory; None:
+    unknown, from a state file written before sleds kept it)."""
     peer: Callable[[str], Sled | None] | None = None
     """Another sled by id (None if there is no such sled): where a migration hands over to."""
     frozen: bool = False

@@ -14,9 +14,10 @@ guest is on exactly one sled whatever the crash point. The other order would los
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared import telemetry
@@ -41,6 +42,8 @@ class SimVmm:
     target_sled_id: str | None = None
     target_vmm_id: uuid.UUID | None = None
     """A migration source handing over: where to (on disk, so that a restarted simulator finishes it)."""
+    since: float = field(default_factory=time.time)
+    """When it took its state, by the sled's clock (its inventory's `since`)."""
 
 
 @dataclass
@@ -193,7 +196,7 @@ class VmmMachine:
             self._transition(vmm, VmmState.failed)
 
     def _transition(self, vmm: SimVmm, state: VmmState, now: bool = False, name: str | None = None) -> None:
-        vmm.state = state
+        vmm.state, vmm.since = state, time.time()
         vmm.generation += 1
         if state.terminal:
             self.vmms.pop(vmm.vmm_id, None)

@@ -7,6 +7,8 @@ control plane under the failures a rack has.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from shared.messages.base import (
     Copies,
     Model,
@@ -36,6 +38,10 @@ class SimFaults(Model):
     """Take commands off the stream but do nothing with them: a sled that never answers a start or stop."""
     fail_starts: bool = False
     """Every VMM that boots fails at once instead of running: a crash loop."""
+    hold_commands_seconds: ReportDelaySeconds = Field(0, exclude_if=lambda held: not held)
+    """Take no command younger than this (by its time on the stream): a sled whose command consumer lags,
+    its orders waiting unread while its inventories go out as usual. Sent only when set, so that a
+    simulator of an earlier release still takes the faults it knows."""
 
 
 @message("rp.sim.sled.list")

@@ -111,6 +111,9 @@ class InventoryVmm(Model):
     instance_id: uuid.UUID
     state: VmmState
     generation: Generation
+    since: datetime | None = None
+    """When the VMM took its state, by the sled's clock: how long a start has been booting on the sled
+    (not how long ago it was asked) is what a stuck order judges."""
 
 
 @message("rp.sled.inventory")
@@ -124,6 +127,9 @@ class SledInventory(Model):
     vcpus: SledVcpus
     ram_bytes: SledRam
     vmms: list[InventoryVmm]
+    commands_read: Sequence | None = None
+    """The stream sequence of the last command the sled took from its command subject (None: none yet):
+    an order sent after it is still waiting on the stream, and a VMM it asks for is not missing."""
 
     @staticmethod
     def newest(invs: list[SledInventory]) -> list[SledInventory]:

@@ -90,12 +90,14 @@ WEIGHTS = {
     "create": 14, "start": 20, "stop": 14, "migrate": 8, "delete": 5, "pick": 5,
     "reboot": 3, "expunge": 1, "partition": 3, "kill": 5, "restart_broker": 1, "kill_broker": 1,
     "long_outage": 1, "restart_database": 1,
-    "rogue_sled": 2, "hold_reports": 2, "shrink": 2, "kill_db_connections": 2, "pool_churn": 4,
+    "rogue_sled": 2, "hold_reports": 2, "hold_commands": 2, "shrink": 2, "kill_db_connections": 2,
+    "pool_churn": 4,
 }  # fmt: skip
-SELF_HARM = ("rogue_sled", "hold_reports", "shrink", "kill_db_connections", "pool_churn")
-"""The operations that bring what a healthy rack can do to itself (a rogue sled, late reports, a sled that
-shrinks, lost database connections, pool churn): left out where replicas of an earlier release take part
-(that release does not survive them; its faults are its own, not today's)."""
+SELF_HARM = ("rogue_sled", "hold_reports", "hold_commands", "shrink", "kill_db_connections", "pool_churn")
+"""The operations that bring what a healthy rack can do to itself (a rogue sled, late reports, a sled whose
+orders wait unread, a sled that shrinks, lost database connections, pool churn): left out where replicas
+of an earlier release take part (that release does not survive them; its faults are its own, not
+today's)."""
 WEATHER = ("instance-manager", "accounting", "recovery", "sled-agent")
 """Services whose buses carry faults all run long, one kind after another (the simulated sleds, too)."""
 LONG_OUTAGES = 2
@@ -241,8 +243,10 @@ class Scenario:
         await self._until(TIGHT, HOG, "running", 20)
         await self._tight_pool(TIGHT_QUOTA + 1)
 
-    async def run(self) -> Report:
-        await self.setup()
+    async def run(self, setup: bool = True) -> Report:
+        """The soak (after `setup`, unless the caller ran it already) and the checks at rest."""
+        if setup:
+            await self.setup()
         self._start = time.monotonic()
         self._weather = {s: asyncio.Lock() for s in WEATHER}
         background = [
@@ -478,6 +482,19 @@ class Scenario:
             finally:
                 await self.client.faults("sled-agent", ServiceFaults(clear=True))
         return f"{sled}, in sled-agent's bus"
+
+    async def op_hold_commands(self, rng: random.Random) -> str:
+        """A sled's command consumer lags: every order to it waits on its stream past the transition
+        timeout (by up to 8 s more) while its inventories, which do not list the VMMs it was asked for,
+        flow. A start whose order waits unread is not stuck (issue 33: waiting is not failing)."""
+        sled = self._sled(rng)
+        timeout = float(CHAOS_ENV["RACKPLANE_TRANSITION_TIMEOUT"])
+        held = SimFaults(sled_id=sled, hold_commands_seconds=timeout + rng.uniform(1, 8))
+        await self.client.sim_faults(held)
+        self.report.faults["orders held unread past the transition timeout (sled)"] += 1
+        await asyncio.sleep(rng.uniform(3, 8))
+        await self.client.sim_faults(SimFaults(sled_id=sled))
+        return f"{sled}, for {held.hold_commands_seconds:.1f}s"
 
     async def op_shrink(self, rng: random.Random) -> str:
         """A sled reports less capacity than is reserved on it (it lost cores or DIMMs): for a few seconds,

@@ -27,11 +27,12 @@ async def run(
     seed: int, duration: float, old: Path | None = None, beside: tuple[str, ...] = (), ha: bool = False
 ) -> None:
     """One chaos run; with `old` (the source tree of an earlier release), a replica of each service in
-    `beside` at that release runs beside today's the whole time, killed and restarted like any other (and
-    the weather of a rack harming itself, which that release does not survive, is left out; and so are
-    its failures of stuck starts on a clock alone, which today's never makes: `earlier_stuck_failure`; and
-    as its instance-manager records no commands, a refusal may follow a copy that ran there:
-    `Scenario.records_commands`).
+    `beside` at that release runs beside today's the whole time, killed and restarted like any other, and
+    the simulated sleds are of that release (they roll last: docs/operations.md, "Upgrades"). The
+    weather of a rack harming itself, which that release does not survive, is left out then; and so are
+    its failures of stuck starts on a clock alone, which today's never makes (`earlier_stuck_failure`);
+    and as its instance-manager records no commands, a refusal may follow a copy that ran there
+    (`Scenario.records_commands`).
     With `ha`, on the stack of `make run HA=1`, under its weather (scenario.py, `ha_weights`)."""
     env = CHAOS_ENV | (HA_ENV if ha else {})
     async with private_rack("chaos-ha" if ha else "chaos", timeout=CLIENT_TIMEOUT, **env) as (
@@ -39,18 +40,23 @@ async def run(
         client,
         db,
     ):
-        for name in beside:
-            assert old is not None
-            stack.start_service(name, replica=f"{name}-old", root=old)
-        stack.wait_ready(beside)
+        if old is not None:  # the sleds roll after every reader of their inventories: they are old yet
+            stack.services.pop("sled_agent").stop()
+            stack.start_service("sled_agent", replica="sled_agent-old", root=old)
+            stack.wait_ready(("sled_agent",))
         started = time.monotonic()
         weights = {op: w for op, w in WEIGHTS.items() if not (old and op in SELF_HARM)}
         weights = ha_weights(weights) if ha else weights
         scenario = Scenario(stack, client, db, seed, duration, weights=weights)
+        await scenario.setup()  # first: an earlier instance-manager cannot create silos on today's schema
+        for name in beside:
+            assert old is not None
+            stack.start_service(name, replica=f"{name}-old", root=old)
+        stack.wait_ready(beside)
         if old and "instance_manager" in beside:
             scenario.excused = earlier_stuck_failure
             scenario.records_commands = False
-        report = await scenario.run()
+        report = await scenario.run(setup=False)
         print(f"\n{report.summary()}\n  wall time: {time.monotonic() - started:.1f}s")
         if os.environ.get("CHAOS_LOG"):  # the operations, as a failing run prints them
             print("\n".join(report.log))

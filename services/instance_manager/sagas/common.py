@@ -87,9 +87,10 @@ async def ensure_on_sled(ctx: Context[InstanceParams], migrate_from: MigrationSo
     """Ask the sled to run the VMM, holding its record's lock meanwhile: an order that ends the record (an
     expunge, a lost VMM) waits, and its destroy follows this ensure on the sled's stream. A record that
     has ended already (before this step, or since a first try that crashed) is asked for nothing. The
-    record notes when the sled was asked, once it was (its transition timeout counts from then: a VMM
-    whose sled was not asked yet is never stuck). No outbox: the step runs again until its progress is
-    recorded, and a sled ignores an ensure for a VMM it has."""
+    record notes when the sled was asked, once it was, and where on the stream the order waits (its
+    transition timeout counts from then, and a VMM whose sled has not read the order is never stuck). No
+    outbox: the step runs again until its progress is recorded, and a sled ignores an ensure for a VMM
+    it has."""
     r, p = ctx.get(Reserved), ctx.get(Placed)
     cmd = VmmEnsure(
         vmm_id=r.vmm_id,
@@ -105,11 +106,11 @@ async def ensure_on_sled(ctx: Context[InstanceParams], migrate_from: MigrationSo
             if vmm is not None and vmm["generation"] > 0:
                 return  # its sled had it, and reported on it: what this step asked for was done
             raise StepFailed(f"VMM {r.vmm_id} was ended before its sled was asked to run it")
-        await bus.publish(
+        stored = await bus.publish(
             ctx.app.js,
             subjects.sled_command(p.sled_id, "vmm.ensure"),
             cmd,
             source=SOURCE,
             key=f"ensure:{r.vmm_id}",
         )
-        await conn.execute(Q["vmm_asked"], r.vmm_id)
+        await conn.execute(Q["vmm_asked"], r.vmm_id, stored.seq if stored else None)

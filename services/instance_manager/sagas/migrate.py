@@ -146,7 +146,7 @@ async def migrate_source(ctx: Context[MigrateParams]) -> None:
         )
     # The move's transition timeout counts from here (a stuck order judges the target by it). Apart from
     # the transaction above: it holds the instance's lock, and VMM records are locked before instances.
-    await ctx.app.pool.execute(Q["vmm_asked"], cmd.target_vmm_id)
+    await ctx.app.pool.execute(Q["vmm_asked"], cmd.target_vmm_id, None)
 
 
 async def _where_the_move_stands(ctx: Context[MigrateParams], conn: asyncpg.Connection | None = None) -> Move:
