@@ -260,37 +260,43 @@ class Reconciler:
             )
             for r in restart
         )
-        await self._ask_all(restarts, until=time.monotonic() + self.interval)
-        return {"restart": len(restart), "settle": len(settle), "cooling_down": waiting}
+        deferred = await self._ask_all(restarts, until=time.monotonic() + self.interval)
+        if deferred:  # instance-manager is busy, not done: the next pass follows at once, on a fresh picture
+            self.wake_restarts.set()
+        return {"restart": len(restart), "settle": len(settle), "cooling_down": waiting, "deferred": deferred}
 
     # --- asking instance-manager ---
 
-    async def _ask(self, subject: str, body: Model, what: str, until: float | None = None) -> None:
+    async def _ask(self, subject: str, body: Model, what: str, until: float | None = None) -> bool:
         """One order, answered or refused. One refused `busy: retry after N ms` (a restart past
         instance-manager's backlog) is sent again after that time while `until` (monotonic) allows, so
         that restarts go at the pace it finishes them and wait here, not in its tables; what is left at
-        `until` is not sent: the next pass looks again."""
+        `until` is not sent, and says so (True): the next pass, which then follows at once, looks again."""
         while until is None or time.monotonic() < until:
             try:
                 await bus.request(self.nc, subject, body, source=SOURCE, timeout=10)
                 telemetry.count(f"reconcile.{what}")
-                return
+                return False
             except bus.CommandError as e:
                 telemetry.count(f"reconcile.{what}_{e.code}")
                 wait = bus.retry_after(e)
-                if wait is not None and until is not None and time.monotonic() + wait < until:
+                if wait is not None and until is not None:
+                    if time.monotonic() + wait >= until:
+                        return True
                     await asyncio.sleep(wait)
                     continue
                 # `stale` means our picture was behind (the user acted, another pass did, an event is yet
                 # to come): the next pass, with fresher events, decides again
                 log.info("%s %s: %s", what, body, e.message)
-                return
+                return False
+        return True
 
-    async def _ask_all(self, requests: Iterable[tuple[str, Model, str]], until: float | None = None) -> None:
+    async def _ask_all(self, requests: Iterable[tuple[str, Model, str]], until: float | None = None) -> int:
+        """Every order, CONCURRENCY at a time; returns how many were left unsent at `until`."""
         sem = asyncio.Semaphore(CONCURRENCY)
 
-        async def one(subject: str, body: Model, what: str) -> None:
+        async def one(subject: str, body: Model, what: str) -> bool:
             async with sem:
-                await self._ask(subject, body, what, until)
+                return await self._ask(subject, body, what, until)
 
-        await asyncio.gather(*(one(*r) for r in requests))
+        return sum(await asyncio.gather(*(one(*r) for r in requests)))
