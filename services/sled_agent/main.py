@@ -138,7 +138,6 @@ async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
                 await sled.destroy(body)
         finally:
             sled.naming = None
-        # in order (Durable.in_order): every command before this one is taken, and none after it
         sled.commands_read = max(sled.commands_read or 0, msg.metadata.sequence.stream)
         sled.persist()
 

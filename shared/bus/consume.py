@@ -106,7 +106,6 @@ class Consumer:
         idle_wait: float = 1.0,
         caught_up: asyncio.Event | None = None,
         linger: float = 0.0,
-        max_ack_pending: int = 10_000,
     ) -> None:
         if handler is not None and batch_handler is None:
             batch_handler = each(handler)
@@ -145,8 +144,6 @@ class Consumer:
         that comes alone is applied at once and the next fetch is not held, so a lone request's path is
         never slowed. The service's RACKPLANE_BATCH_LINGER; never for a consumer that says when it has
         caught up, whose waiters must not be told so while what came during its batch waits unfetched."""
-        self.max_ack_pending = max_ack_pending
-        """Messages out unacked at once; 1 delivers in order, one at a time (`Durable.in_order`)."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def _subscribe(self) -> Pull:
@@ -158,12 +155,10 @@ class Consumer:
             ack_wait=self.ack_wait,
             max_deliver=-1,  # we dead-letter ourselves, with the reason, after max_deliver attempts
             filter_subject=self.filter_subject,
-            max_ack_pending=self.max_ack_pending,
+            max_ack_pending=10_000,
         )
         try:
-            held = await self.js.consumer_info(self.stream, self.durable)
-            if held.config.max_ack_pending != self.max_ack_pending:  # made by a release before: updated
-                await self.js.add_consumer(self.stream, config=config)
+            await self.js.consumer_info(self.stream, self.durable)
         except nats.js.errors.NotFoundError:
             await self.js.add_consumer(self.stream, config=config)
         return Pull(self.js, self.stream, self.durable)

@@ -46,9 +46,6 @@ class Durable:
     dead_letters: str | None = None
     """The name its dead letters are filed under (`rp.dlq.<owner>.<name>`), where not its own: the
     partitions of one stream share one."""
-    in_order: bool = False
-    """One message out at a time, the next only once it is acked (`max_ack_pending` 1): one refused for
-    now, or in hand when its reader died, comes again before any later one."""
 
     @property
     def files_under(self) -> str:
@@ -71,8 +68,6 @@ class Durable:
             out["max_deliver"] = self.max_deliver
         if self.dead_letters is not None:
             out["dead_letters"] = self.dead_letters
-        if self.in_order:
-            out["max_ack_pending"] = 1
         return out
 
 
@@ -142,11 +137,10 @@ SLED_MAX_DELIVER = 1_000_000
 
 
 def sled(sled_id: str) -> Durable:
-    """The durable through which one sled reads its orders: only its own subject, in the order they were
-    given, so that how far it has taken them is one number (its inventory's `commands_read`)."""
+    """The durable through which one sled reads its orders: only its own subject."""
     return Durable(
         sled_durable(sled_id), SLED_CMD_STREAM, sled_command(sled_id, ">"), SLED_AGENT, "rp.sled.vmm",
-        SLED_MAX_DELIVER, in_order=True,
+        SLED_MAX_DELIVER,
     )  # fmt: skip
 
 
