@@ -33,6 +33,7 @@ from tests.conftest import (
     eventually,
     new_project,
     private_rack,
+    restart_service,
     usage_is,
     wait_state,
 )
@@ -243,6 +244,40 @@ async def test_a_start_whose_order_waits_unread_past_the_timeout_runs(rack: Make
     await assert_invariants(db)
 
 
+@pytest.mark.parametrize("simulator", ["runs on", "restarts"])
+async def test_an_order_refused_for_now_holds_back_what_the_sled_says_it_read(
+    rack: MakeRack, simulator: str
+) -> None:
+    """Found by the chaos soak: the sled refuses its first order for now (held), the hold ends, and a
+    second order comes; the first comes again only after its delay, so the second is taken first. The
+    sled has read its stream only up to before the first, and says so: a stuck order for the first is
+    refused as unread, not applied. The same when the simulator restarts with the first in hand: its
+    file does not know it, the broker does (its durable's ack floor). Both end running."""
+    stack, client, db = await rack(RACKPLANE_SLEDS="1")
+    silo, proj = await new_project(client)
+    for name in ("first", "second"):
+        await client.instance_create(
+            silo, proj, name, vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
+        )
+    await client.sim_faults(SimFaults(sled_id="sled-0", hold_commands_seconds=12))
+    first = await client.instance("start", silo, proj, "first")
+    body = await _stuck_body(client, silo, proj, first, "first")
+    await eventually(lambda: counter(client, "sled-agent", "sled.fault.command_held"), timeout=10)
+    if simulator == "restarts":
+        restart_service(stack, "sled_agent")  # its faults go with it
+        stack.wait_ready(("sled_agent",))
+    else:
+        await client.sim_faults(SimFaults(sled_id="sled-0"))  # the first comes again within 12 s
+    await client.instance("start", silo, proj, "second")
+    await eventually(lambda: _runs(client, "sled-0", 1), timeout=10)  # the second, taken first
+    answer = await eventually(lambda: _stale_with(stack, body, "has not taken the order"), timeout=6)
+    assert "it has read its commands up to" in answer, answer
+    for name in ("first", "second"):
+        running = await wait_state(client, silo, proj, name, "running", timeout=40)
+        assert running["auto_restarts"] == 0 and running["failed_at"] is None, running
+    await assert_invariants(db)
+
+
 async def test_a_start_its_sled_took_late_has_the_timeout_to_boot(rack: MakeRack) -> None:
     """The order waits unread for 5 s, past the 3 s timeout, then the sled takes it and boots the VMM for
     2.5 s: its inventories list it as starting, but only since the sled took the order, which is what the
@@ -264,12 +299,14 @@ async def test_a_start_its_sled_took_late_has_the_timeout_to_boot(rack: MakeRack
     await assert_invariants(db)
 
 
-async def _stuck_body(client: Client, silo: str, proj: str, starting: dict[str, Any]) -> VmmStuck:
+async def _stuck_body(
+    client: Client, silo: str, proj: str, starting: dict[str, Any], name: str = "vm"
+) -> VmmStuck:
     vmm = starting["active_vmm_id"]
     assert starting["state"] == "starting" and vmm is not None, starting
     return VmmStuck(
         instance_id=uuid.UUID(starting["id"]),
-        generation=(await client.instance("show", silo, proj, "vm"))["generation"],
+        generation=(await client.instance("show", silo, proj, name))["generation"],
         vmm_id=uuid.UUID(vmm),
         state="starting",
     )

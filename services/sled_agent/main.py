@@ -122,6 +122,8 @@ async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
     it already did (every command is idempotent by VMM id)."""
 
     async def handle(env: Envelope, body: Any, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        sled.commands.delivered(seq)  # taken only once this returns: the sled has read up to before it
         if not sled.reachable:
             raise bus.Retry("sled is frozen or cut off", delay=1.0)
         if (held := _held_for(sled, msg)) > 0:
@@ -138,13 +140,15 @@ async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
                 await sled.destroy(body)
         finally:
             sled.naming = None
-        sled.commands_read = max(sled.commands_read or 0, msg.metadata.sequence.stream)
+        sled.commands.took(seq)
         sled.persist()
 
+    durable = topology.sled(sled.sled_id)
+    await sled.commands.ask_broker(sled.js, durable.stream, durable.name, at_start=True)
     await bus.Consumer(
         sled.js,
         service=SOURCE,
-        **topology.sled(sled.sled_id).binding,  # never gives up: a frozen sled holds its commands back
+        **durable.binding,  # never gives up: a frozen sled holds its commands back
         handler=handle,
         expect=(VmmEnsure, VmmStop, VmmMigrate, VmmDestroy),
         verify=lambda subject, body: topology.command_error(subject, schema_of(body)[0]),

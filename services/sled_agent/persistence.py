@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from nats.aio.client import Client as NATS
 
+from services.sled_agent.taken import CommandsTaken
 from services.sled_agent.vmm import SimVmm, Timing
 from shared.crash import crash_point
 from shared.messages import VmmReport, VmmState
@@ -60,7 +61,7 @@ class Persistence:
     unsent: dict[uuid.UUID, VmmReport]
     capacity_vcpus: int | None
     capacity_ram_bytes: int | None
-    commands_read: int | None
+    commands: CommandsTaken
     naming: str | None
     _changes: int
     _saved: int
@@ -119,7 +120,7 @@ class Persistence:
             "boot_number": self.boot_number,
             "seq_reserved": self.seq_reserved,
             "boots": self.boots,
-            "commands_read": self.commands_read,
+            "commands_read": self.commands.last,
             "vmms": [
                 {
                     "vmm_id": str(v.vmm_id),
@@ -169,7 +170,7 @@ class Persistence:
         sled.seq = sled.seq_reserved = state.get("seq_reserved", 0)  # never reuse one handed out before
         sled.boots = state.get("boots") or sled.boots
         sled.capacity_vcpus, sled.capacity_ram_bytes = state.get("capacity") or (None, None)
-        sled.commands_read = state.get("commands_read")
+        sled.commands.last = state.get("commands_read")
         for v in state["vmms"]:
             vmm = SimVmm(
                 uuid.UUID(v["vmm_id"]),

@@ -14,8 +14,9 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from services.sled_agent.taken import CommandsTaken
 from services.sled_agent.vmm import SimVmm, Timing
-from shared import bus, telemetry
+from shared import bus, telemetry, topology
 from shared.messages import InventoryVmm, SimFaults, SledInventory, VmmReport
 from shared.topology import subjects
 
@@ -37,7 +38,7 @@ class Reporting:
     reachable: bool
     reported_vcpus: int
     reported_ram_bytes: int
-    commands_read: int | None
+    commands: CommandsTaken
     _changes: int
     _thawed: asyncio.Event
     _connected: asyncio.Event
@@ -146,12 +147,15 @@ class Reporting:
                 )
                 for v in self.vmms.values()
             ],
-            commands_read=self.commands_read,
+            commands_read=self.commands.read,
         )
 
     async def publish_inventory(self) -> None:
         if not self.reachable:
             return
+        if self.commands.cap is not None:  # after a restart: has the broker had every command acked since?
+            durable = topology.sled(self.sled_id)
+            self._spawn(self.commands.ask_broker(self.js, durable.stream, durable.name, at_start=False))
         await bus.publish(
             self.js,
             subjects.sled_report(self.sled_id, "inventory"),

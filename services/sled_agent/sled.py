@@ -32,6 +32,7 @@ from services.sled_agent.persistence import (
     read_rack_boots,
 )
 from services.sled_agent.reports import SOURCE, Reporting
+from services.sled_agent.taken import CommandsTaken
 from services.sled_agent.vmm import REMEMBERED_ENDED, SimVmm, Timing, VmmMachine
 from shared import telemetry
 from shared.messages import SimFaults, VmmReport
@@ -80,9 +81,9 @@ class Sled(VmmMachine, Reporting, Persistence):
     capacity_vcpus: int | None = None
     capacity_ram_bytes: int | None = None
     """What the sled reports instead of `vcpus` and `ram_bytes` (made with), if set: rp.sim.sled.capacity."""
-    commands_read: int | None = 0
-    """The stream sequence of the last command taken (on disk with its effect; in every inventory; None:
-    unknown, from a state file written before sleds kept it)."""
+    commands: CommandsTaken = field(default_factory=CommandsTaken)
+    """How far the sled has taken its command stream (in every inventory; the last one taken is on disk
+    with its effect)."""
     peer: Callable[[str], Sled | None] | None = None
     """Another sled by id (None if there is no such sled): where a migration hands over to."""
     frozen: bool = False
