@@ -128,8 +128,8 @@ class SledInventory(Model):
     ram_bytes: SledRam
     vmms: list[InventoryVmm]
     commands_read: Sequence | None = None
-    """The stream sequence of the last command the sled took from its command subject (None: none yet):
-    an order sent after it is still waiting on the stream, and a VMM it asks for is not missing."""
+    """The stream sequence up to which the sled has taken every command on its subject (None: it does
+    not say): an order stored after it is still waiting, and a VMM it asks for is not missing."""
 
     @staticmethod
     def newest(invs: list[SledInventory]) -> list[SledInventory]:
