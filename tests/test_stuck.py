@@ -225,13 +225,7 @@ async def test_a_start_whose_order_waits_unread_past_the_timeout_runs(rack: Make
     while its inventories, which do not list the VMM, flow. That is no evidence of anything: the start is
     not failed, and runs on its VMM once the sled takes the order."""
     stack, client, db = await rack(RACKPLANE_SLEDS="1")
-    silo, proj = await new_project(client)
-    await client.instance_create(
-        silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
-    )
-    await client.sim_faults(SimFaults(sled_id="sled-0", hold_commands_seconds=12))
-    starting = await client.instance("start", silo, proj, "vm")
-    body = await _stuck_body(client, silo, proj, starting)
+    silo, proj, starting, body = await _start_held(client, hold=12)
     answer = await eventually(lambda: _stale_with(stack, body, "has not taken the order"), timeout=15)
     assert "it has read its commands up to" in answer, answer
     held = await client.instance("show", silo, proj, "vm")
@@ -283,13 +277,7 @@ async def test_a_start_its_sled_took_late_has_the_timeout_to_boot(rack: MakeRack
     2.5 s: its inventories list it as starting, but only since the sled took the order, which is what the
     timeout counts from on the sled's evidence. Not stuck; it runs."""
     stack, client, db = await rack(RACKPLANE_SLEDS="1", RACKPLANE_VMM_START_DELAY="2.5")
-    silo, proj = await new_project(client)
-    await client.instance_create(
-        silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
-    )
-    await client.sim_faults(SimFaults(sled_id="sled-0", hold_commands_seconds=5))
-    starting = await client.instance("start", silo, proj, "vm")
-    body = await _stuck_body(client, silo, proj, starting)
+    silo, proj, _, body = await _start_held(client, hold=5)
     await eventually(lambda: _runs(client, "sled-0", 1), timeout=15)  # taken, and booting
     await client.sim_faults(SimFaults(sled_id="sled-0"))
     answer = await eventually(lambda: _stale_with(stack, body, "as starting only since"), timeout=2.5)
@@ -297,6 +285,18 @@ async def test_a_start_its_sled_took_late_has_the_timeout_to_boot(rack: MakeRack
     running = await wait_state(client, silo, proj, "vm", "running", timeout=20)
     assert running["auto_restarts"] == 0 and running["failed_at"] is None, running
     await assert_invariants(db)
+
+
+async def _start_held(client: Client, hold: float) -> tuple[str, str, dict[str, Any], VmmStuck]:
+    """An instance `vm` (auto-restart `never`) started while sled-0 holds its orders `hold` seconds: its
+    project, the start's reply, and the stuck order recovery would send about it."""
+    silo, proj = await new_project(client)
+    await client.instance_create(
+        silo, proj, "vm", vcpus=1, ram_bytes=GiB, disk_bytes=GiB, auto_restart=AutoRestart.never
+    )
+    await client.sim_faults(SimFaults(sled_id="sled-0", hold_commands_seconds=hold))
+    starting = await client.instance("start", silo, proj, "vm")
+    return silo, proj, starting, await _stuck_body(client, silo, proj, starting)
 
 
 async def _stuck_body(
