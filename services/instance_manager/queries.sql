@@ -328,7 +328,7 @@ SELECT id, boot_number FROM sleds WHERE id = ANY($1::text[]) ORDER BY id FOR UPD
 -- reported, even below what is reserved (a sled that shrank is overcommitted, never wedged). Each row
 -- also keeps what a stuck order is judged on: when the sled made the inventory ($7), the VMMs it
 -- listed with their states ($8, a JSON object {vmm_id: state}) and since when by its clock ($10,
--- {vmm_id: time}), and the last command it took from its stream ($9).
+-- {vmm_id: time}), and the stream sequence up to which it has taken every command ($9).
 INSERT INTO sleds (id, boot_id, boot_number, inventory_seq, vcpus, ram_bytes, inventory_made_at,
                    inventory_vmms, inventory_commands_read, inventory_since, last_seen_at)
 SELECT u.id, u.boot_id, u.boot_number, u.seq, u.vcpus, u.ram_bytes, u.made_at, u.vmms::jsonb, u.commands_read,

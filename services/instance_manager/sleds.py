@@ -38,8 +38,8 @@ async def apply_inventories(app: App, batch: list[bus.Delivery]) -> None:
     less than is reserved on it is recorded as it says (overcommitted: no placement fits it until VMMs
     end), rather than refused, which would leave its next boot unrecorded and its lost VMMs unfailed.
     The same row keeps the sled's evidence for stuck orders (orders.stuck): when the sled made the
-    inventory (its envelope's time), each VMM it listed with its state and since when, and the last
-    command it took."""
+    inventory (its envelope's time), each VMM it listed with its state and since when, and how far it
+    has taken its orders."""
     invs = SledInventory.newest([d.body for d in batch])
     made = {(d.body.sled_id, d.body.boot_number, d.body.seq): d.env.time for d in batch}
     async with app.pool.acquire() as conn, conn.transaction():

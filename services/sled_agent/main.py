@@ -144,7 +144,7 @@ async def command_loop(sled: Sled, idle_wait: float, ack_wait: float) -> None:
         sled.persist()
 
     durable = topology.sled(sled.sled_id)
-    await sled.commands.ask_broker(sled.js, durable.stream, durable.name, at_start=True)
+    await sled.commands.ask_broker(sled.js, durable.stream, durable.name)
     await bus.Consumer(
         sled.js,
         service=SOURCE,

@@ -153,9 +153,9 @@ class Reporting:
     async def publish_inventory(self) -> None:
         if not self.reachable:
             return
-        if self.commands.cap is not None:  # after a restart: has the broker had every command acked since?
+        if self.commands.asking:  # not answered at start, or capped since: ask the broker (again)
             durable = topology.sled(self.sled_id)
-            self._spawn(self.commands.ask_broker(self.js, durable.stream, durable.name, at_start=False))
+            self._spawn(self.commands.ask_broker(self.js, durable.stream, durable.name))
         await bus.publish(
             self.js,
             subjects.sled_report(self.sled_id, "inventory"),
