@@ -121,6 +121,42 @@ async def test_caught_up_is_clear_while_a_backlog_waits_and_set_once_it_is_appli
         task.cancel()
 
 
+async def test_a_consumer_that_says_when_it_caught_up_lingers_too_and_is_caught_up_meanwhile(js: Any) -> None:
+    """Instance-manager's inventories and reports linger like any batch consumer (5,000 sleds' inventories
+    come a few at a time), and its lost and stuck orders wait on their `caught_up`. A batch that lingers
+    had nothing stored behind it: the consumer is caught up while it lingers, so that a steady trickle
+    never keeps those orders waiting; what comes meanwhile is applied as one batch after the linger."""
+    linger = 0.8
+    caught_up = asyncio.Event()
+    batches: list[list[int]] = []
+    during: list[bool] = []
+    loop = asyncio.get_running_loop()
+
+    async def handler(batch: list[bus.Delivery]) -> None:
+        batches.append([d.body.generation for d in batch])
+
+    async def applied(n: int) -> bool:
+        return sum(len(b) for b in batches) == n
+
+    await publish_deltas(js, 3)  # stored before anyone fetches: they come as one batch, which lingers
+    consumer = deltas_consumer(js, "test-linger-caught-up", handler, linger=linger, caught_up=caught_up)
+    task = asyncio.create_task(consumer.run())
+    try:
+        await eventually(lambda: applied(3), timeout=5)
+        first = loop.time()
+        for g in range(4, 8):  # while it lingers, four more come one by one
+            d = delta(g)
+            await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
+            await asyncio.sleep(linger / 20)
+            during.append(caught_up.is_set())
+        await eventually(lambda: applied(7), timeout=5)
+        assert batches == [[1, 2, 3], [4, 5, 6, 7]]  # the four in one batch, after the linger
+        assert loop.time() - first >= linger * 0.9
+        assert all(during)  # no backlog behind the batch that lingered: its waiters need not wait
+    finally:
+        task.cancel()
+
+
 async def test_every_stream_can_hold_a_consumer_for_each_sled_of_a_full_rack(js: Any) -> None:
     """A stream that sets no limit of its own holds at most 1,000 consumers (nats-server 2.15), and the
     sleds' command stream holds one durable consumer a sled: a rack of 5,000 needs more."""

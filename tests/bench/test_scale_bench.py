@@ -1,11 +1,13 @@
 """Benchmark: a rack-wide power loss. Every sled of a rack of BENCH_SLEDS reboots at once under
 BENCH_INSTANCES best_effort instances. Measured from the reboots: until the API stops calling any lost
 instance running, and until all run again; each beside the time to start the same number fresh, in the
-same run (the recovery benchmark's form, at rack scale). Also measured: the reconcile pass at steady state
+same run (the recovery benchmark's form, at rack scale). Also measured: what the idle rack costs each
+process (before any instance), the reconcile pass at steady state
 (recovery's own histogram), and the memory of every process.
 
     make bench        (or: .venv/bin/pytest -m bench -s tests/bench/test_scale_bench.py)
-Environment: BENCH_SLEDS (500), BENCH_INSTANCES (5,000), BENCH_INVENTORY_INTERVAL (5 s), BENCH_PLOT
+Environment: BENCH_SLEDS (500), BENCH_INSTANCES (5,000), BENCH_INVENTORY_INTERVAL (5 s), BENCH_IDLE
+(seconds the idle rack is watched first: two inventory intervals), BENCH_PLOT
 (where the plot goes: docs/images/power-loss.png), BENCH_UNTIL (`back`, or `truthful` to end the run
 there). Progress is printed every few seconds.
 """
@@ -29,7 +31,7 @@ from services.recovery.reconcile import RECONCILERS
 from shared.db import queries as db_queries
 from shared.messages import AutoRestart, Quota
 from tests.bench import UNLIMITED
-from tests.bench.processes import memory
+from tests.bench.processes import cpu_split, memory
 from tests.conftest import GiB, private_rack
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(4 * 3600)]
@@ -41,6 +43,9 @@ INVENTORY_EVERY = float(os.environ.get("BENCH_INVENTORY_INTERVAL", "5"))
 """Seconds between a sled's inventories. One process simulates every sled on this machine's two cores:
 at 5,000 sleds, every 5 s is 1,000 inventories a second through the simulator, the broker,
 instance-manager and recovery, which leaves too little for the starts being measured."""
+IDLE = float(os.environ.get("BENCH_IDLE", str(2 * INVENTORY_EVERY)))
+"""Seconds the rack is watched doing nothing, before any instance: what its sleds' inventories and idle
+pulls cost each process, which the starts measured after it do not get."""
 UNTIL = os.environ.get("BENCH_UNTIL", "back")
 """`truthful` ends the run once the API is (the last phase, all back, is as long as the fresh starts)."""
 SILO_SIZE = 10_000
@@ -281,6 +286,13 @@ async def test_power_loss_of_the_whole_rack() -> None:
     }
     print(f"\nscale benchmark: {SLEDS} sleds, {INSTANCES} instances", flush=True)
     async with private_rack("scale", timeout=600, **UNLIMITED, **env) as (stack, client, db):
+        await asyncio.sleep(INVENTORY_EVERY)  # every sled has reported since it was announced
+        with cpu_split(stack) as idle:
+            await asyncio.sleep(IDLE)
+        idle_line = f"idle rack: {sum(idle.values()) / IDLE:.2f} cores busy: " + ", ".join(
+            f"{k} {v / IDLE:.2f}" for k, v in sorted(idle.items(), key=lambda kv: -kv[1]) if v / IDLE >= 0.005
+        )
+        print(f"  {idle_line}", flush=True)
         quota = Quota(vcpus=10**7, ram_bytes=10**16, disk_bytes=10**17)
         for silo in (silo_of(i) for i in range(0, INSTANCES, SILO_SIZE)):
             await client.silo_create(silo, quota=quota)
@@ -363,6 +375,7 @@ async def test_power_loss_of_the_whole_rack() -> None:
     print(f"\nRESULT sleds={SLEDS} instances={INSTANCES}")
     for what, value, ratio in rows:
         print(f"  {what:<50} {value}  ({ratio})")
+    print(f"  {idle_line}")
     print(f"  {memory_line}")
     print("  " + "\n  ".join(story))
     print(f"  plot: {PLOT}")
