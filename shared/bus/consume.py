@@ -135,8 +135,9 @@ class Consumer:
         broker's load from idle consumers (a pull request and a probe each time it runs out) and, after a
         broker restart, which forgets pending pulls, how long until this consumer asks again."""
         self.caught_up = caught_up
-        """Set while the broker holds nothing more for this consumer than what it has applied; cleared
-        while a backlog waits. Work that should come after this consumer's can wait on it."""
+        """Set while no backlog waits for this consumer: its last batch had nothing stored behind it (what
+        came since, a linger's worth at most, may wait unfetched); cleared while a backlog waits. Work that
+        should come after this consumer's can wait on it."""
         self.linger = 0.0 if self.alone else linger
         """Seconds a batch handler waits before its next fetch after a batch that found company (more
         than one message, less than a quarter of `batch`, nothing more stored behind it): under load the
