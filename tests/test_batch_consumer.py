@@ -38,11 +38,16 @@ def delta(generation: int) -> ProvisionDelta:
     )  # fmt: skip
 
 
+async def publish_delta(js: Any, generation: int) -> None:
+    """A delta of `generation`, of an instance of its own."""
+    d = delta(generation)
+    await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
+
+
 async def publish_deltas(js: Any, n: int) -> None:
     """Deltas of generations 1 to n, each of its own instance."""
     for g in range(1, n + 1):
-        d = delta(g)
-        await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
+        await publish_delta(js, g)
 
 
 def deltas_consumer(js: Any, durable: str, handler: bus.BatchHandler, **kw: Any) -> bus.Consumer:
@@ -145,8 +150,7 @@ async def test_a_consumer_that_says_when_it_caught_up_lingers_too_and_is_caught_
         await eventually(lambda: applied(3), timeout=5)
         first = loop.time()
         for g in range(4, 8):  # while it lingers, four more come one by one
-            d = delta(g)
-            await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
+            await publish_delta(js, g)
             await asyncio.sleep(linger / 20)
             during.append(caught_up.is_set())
         await eventually(lambda: applied(7), timeout=5)
@@ -256,8 +260,7 @@ async def test_a_batch_that_found_company_lingers_and_a_lone_message_is_never_he
         return check
 
     async def publish(generation: int) -> float:
-        d = delta(generation)
-        await bus.publish(js, subjects.provision_delta("s", "p", d.instance_id), d, source="test")
+        await publish_delta(js, generation)
         return loop.time()
 
     await publish_deltas(js, 3)  # stored before anyone fetches: the first fetch brings them together
